@@ -1,0 +1,190 @@
+"""Serving logic: one chat completion from request model to recorded turn. No HTTP here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from clawflow.config import Config
+from clawflow.serving.engine import Generation, SamplingParams, TorchEngine
+from clawflow.serving.protocol import ChatCompletionRequest, completion_id, now
+from clawflow.serving.sessions import SessionTracker, split_new_messages
+from clawflow.serving.toolcalls import parse_tool_calls
+from clawflow.store.record import TurnRecord
+from clawflow.store.sealer import Sealer
+from clawflow.store.wal import SegmentWriter
+
+
+class BadRequest(ValueError):
+    """Maps to HTTP 400 with an OpenAI error body."""
+
+
+@dataclass
+class TurnContext:
+    session_id: str | None = None
+    turn_type: str = "main"
+    session_done: bool = False
+    source: str = "live"
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    turns_recorded: int = 0
+    reloads: int = 0
+
+
+@dataclass
+class Gateway:
+    cfg: Config
+    engine: TorchEngine
+    writer: SegmentWriter
+    sealer: Sealer
+    tracker: SessionTracker = field(default_factory=SessionTracker)
+    counters: Counters = field(default_factory=Counters)
+    _slots: asyncio.Semaphore | None = None
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:  # created lazily inside the server's event loop
+            self._slots = asyncio.Semaphore(self.cfg.serving.max_concurrency)
+        return self._slots
+
+    # -- shared steps ----------------------------------------------------------------------
+    def prepare(self, req: ChatCompletionRequest) -> tuple[list[dict], list[int], SamplingParams]:
+        messages = [m.to_template() for m in req.messages]
+        try:
+            prompt_ids = self.engine.encode_chat(messages, req.tools)
+        except Exception as exc:  # a template that rejects the conversation is the client's error
+            raise BadRequest(f"messages cannot be formatted with the model's chat template: {exc}") from exc
+        max_new = req.max_new(self.cfg.serving.max_new_tokens)
+        limit = self.engine.context_length
+        if len(prompt_ids) + max_new > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {limit} tokens; the messages use "
+                f"{len(prompt_ids)} and max_tokens asks for {max_new}."
+            )
+        params = SamplingParams(max_new, req.temperature, req.top_p, req.seed, req.stop_list())
+        return messages, prompt_ids, params
+
+    def reply_message(self, gen: Generation, req: ChatCompletionRequest) -> tuple[dict[str, Any], str]:
+        content, calls = parse_tool_calls(gen.text) if req.tools else (gen.text, [])
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        finish = gen.finish_reason
+        if calls:
+            msg["tool_calls"] = calls
+            finish = "tool_calls"
+        return msg, finish
+
+    async def record(self, ctx: TurnContext, req: ChatCompletionRequest, messages: list[dict],
+                     prompt_ids: list[int], gen: Generation, reply: dict, finish: str, group_id: str | None) -> None:
+        session_id = self.tracker.resolve(messages, ctx.session_id)
+        turn_index, new_messages = split_new_messages(messages)
+        rec = TurnRecord(
+            session_id=session_id, turn_index=turn_index, policy_version=gen.policy_version,
+            messages=messages, prompt_token_ids=prompt_ids, response_token_ids=gen.token_ids,
+            response_logprobs=gen.logprobs, response_text=gen.text, finish_reason=finish,
+            new_messages=new_messages, turn_type=ctx.turn_type, source=ctx.source, group_id=group_id,
+            tools=req.tools, tool_calls=reply.get("tool_calls"), session_done=ctx.session_done,
+        )
+        await asyncio.to_thread(self.writer.append, rec)  # durable before the reply completes
+        self.tracker.remember(session_id, messages, {"role": "assistant", "content": reply.get("content") or "",
+                                                     "tool_calls": reply.get("tool_calls")})
+        self.counters.turns_recorded += 1
+
+    def logprobs_block(self, gen: Generation) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        return {"content": [
+            {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode([t]).encode()), "top_logprobs": []}
+            for t, lp in zip(gen.token_ids, gen.logprobs)
+        ]}
+
+    # -- non-streaming ---------------------------------------------------------------------
+    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> dict[str, Any]:
+        messages, prompt_ids, params = self.prepare(req)
+        self.counters.requests += 1
+        group_id = completion_id() if req.n > 1 else None
+        choices, completion_tokens = [], 0
+        for i in range(req.n):
+            p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            async with self.slots:
+                gen = await asyncio.to_thread(self.engine.generate, prompt_ids, p)
+            reply, finish = self.reply_message(gen, req)
+            await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, group_id)
+            completion_tokens += len(gen.token_ids)
+            choice = {"index": i, "message": reply, "finish_reason": finish,
+                      "logprobs": self.logprobs_block(gen) if req.logprobs else None}
+            choices.append(choice)
+        self._count(len(prompt_ids), completion_tokens)
+        return {
+            "id": completion_id(), "object": "chat.completion", "created": now(),
+            "model": self.cfg.model.name, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens},
+            "system_fingerprint": f"policy-v{gen.policy_version}",
+        }
+
+    def _count(self, prompt: int, completion: int) -> None:
+        self.counters.prompt_tokens += prompt
+        self.counters.completion_tokens += completion
+
+    # -- streaming -------------------------------------------------------------------------
+    async def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> AsyncIterator[str]:
+        messages, prompt_ids, params = self.prepare(req)  # raises before the first byte is sent
+        self.counters.requests += 1
+        return self._stream(req, ctx, messages, prompt_ids, params)
+
+    async def _stream(self, req, ctx, messages, prompt_ids, params) -> AsyncIterator[str]:
+        cid, created, model = completion_id(), now(), self.cfg.model.name
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = False
+        sent = ""
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def on_token(token: int, logprob: float, text: str) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, (token, logprob, text))
+            return not cancelled
+
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async with self.slots:
+                task = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, prompt_ids, params, on_token))
+                while not task.done() or not queue.empty():
+                    try:
+                        token, logprob, text = await asyncio.wait_for(queue.get(), timeout=0.05)
+                    except TimeoutError:
+                        continue
+                    if not req.tools and text.startswith(sent) and len(text) > len(sent):
+                        extra = {}
+                        if req.logprobs:
+                            extra["logprobs"] = {"content": [{"token": self.engine.tokenizer.decode([token]),
+                                                              "logprob": logprob, "top_logprobs": []}]}
+                        yield chunk({"content": text[len(sent):]}, **extra)
+                        sent = text
+                gen = await task
+            reply, finish = self.reply_message(gen, req)
+            if req.tools and reply.get("content"):
+                yield chunk({"content": reply["content"]})
+            elif not req.tools and len(gen.text) > len(sent) and gen.text.startswith(sent):
+                yield chunk({"content": gen.text[len(sent):]})
+            if reply.get("tool_calls"):
+                yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]})
+            await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, None)
+            self._count(len(prompt_ids), len(gen.token_ids))
+            yield chunk({}, finish)
+            if req.stream_options and req.stream_options.include_usage:
+                usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.token_ids),
+                         "total_tokens": len(prompt_ids) + len(gen.token_ids)}
+                yield f"data: {json.dumps({'id': cid, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            cancelled = True  # a client that disconnects mid-stream stops its decode loop

@@ -1,0 +1,134 @@
+"""The local stack behind `clawflow up` / `down`: Prefect server, MLflow server, a process worker,
+the deployments of prefect.yaml, and the serve-policy run. Each service is a child process whose
+pid is kept under `$CLAWFLOW_HOME/run/`, logs under `$CLAWFLOW_HOME/logs/`.
+
+A work pool + `process` worker (rather than `prefect.serve`) because prefect.yaml is the
+declarative source of the deployments, their triggers and concurrency, and the same file deploys
+to Kubernetes/Docker pools when users scale out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from clawflow.config import REPO_ROOT, Config
+
+BIN = Path(sys.executable).parent
+
+
+def service_env(cfg: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "CLAWFLOW_HOME": str(cfg.home),
+        "CLAWFLOW_CONFIG": str(cfg.source_file),
+        "PREFECT_HOME": str(cfg.home / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{cfg.services.prefect_port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "3",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_TRACKING_URI": cfg.tracking_uri,
+    })
+    return env
+
+
+def _start(cfg: Config, name: str, argv: list[str], env: dict[str, str]) -> int:
+    (cfg.home / "logs").mkdir(parents=True, exist_ok=True)
+    (cfg.home / "run").mkdir(parents=True, exist_ok=True)
+    pidfile = cfg.home / "run" / f"{name}.pid"
+    if pidfile.exists() and _alive(int(pidfile.read_text())):
+        return int(pidfile.read_text())
+    log = open(cfg.home / "logs" / f"{name}.log", "ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                            start_new_session=True)  # own process group: `down` stops its children too
+    pidfile.write_text(str(proc.pid))
+    return proc.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def wait_http(url: str, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{what} did not answer at {url} within {timeout_s:.0f}s (see $CLAWFLOW_HOME/logs)")
+
+
+def _prefect(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def up(cfg: Config, echo=print) -> None:
+    env = service_env(cfg)
+    s = cfg.services
+    _start(cfg, "prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                   "--port", str(s.prefect_port)], env)
+    _start(cfg, "mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", cfg.tracking_uri,
+                                  "--default-artifact-root", cfg.artifact_root.as_uri(), "--host", "127.0.0.1",
+                                  "--port", str(s.mlflow_port), "--workers", "1"], env)
+    wait_http(f"http://127.0.0.1:{s.prefect_port}/api/health", 180, "Prefect server")
+    echo(f"Prefect UI      http://127.0.0.1:{s.prefect_port}")
+    _prefect(["work-pool", "create", s.work_pool, "--type", "process"], env)  # exists already: fine
+    deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
+    if deployed.returncode != 0:
+        raise RuntimeError(f"prefect deploy failed: {deployed.stdout[-2000:]}{deployed.stderr[-2000:]}")
+    _start(cfg, "worker", [str(BIN / "prefect"), "worker", "start", "--pool", s.work_pool], env)
+    try:
+        httpx.get(f"{cfg.gateway_url}/healthz", timeout=2)
+        echo("gateway already running")
+    except httpx.HTTPError:
+        run = _prefect(["deployment", "run", "serve-policy/serve-policy"], env)
+        if run.returncode != 0:
+            raise RuntimeError(f"could not start serve-policy: {run.stdout[-1000:]}{run.stderr[-1000:]}")
+    wait_http(f"http://127.0.0.1:{s.mlflow_port}/health", 180, "MLflow server")
+    echo(f"MLflow UI       http://127.0.0.1:{s.mlflow_port}")
+    wait_http(f"{cfg.gateway_url}/healthz", 600, "gateway (first start converts the model: ~1 min)")
+    echo(f"OpenAI API      {cfg.gateway_url}/v1   (api_key: {cfg.serving.api_key})")
+
+
+def down(cfg: Config, echo=print) -> None:
+    # Worker first (so nothing restarts the gateway), then the gateway (it seals its segments on
+    # SIGTERM), then the servers.
+    for name in ("worker", "gateway", "mlflow-server", "prefect-server"):
+        pidfile = cfg.home / "run" / f"{name}.pid"
+        if not pidfile.exists():
+            continue
+        pid = int(pidfile.read_text())
+        if _alive(pid):
+            _stop(pid, name)
+            echo(f"stopped {name} (pid {pid})")
+        pidfile.unlink(missing_ok=True)
+
+
+def _stop(pid: int, name: str, timeout_s: float = 60) -> None:
+    sig = signal.SIGINT if name == "worker" else signal.SIGTERM  # the worker wants SIGINT (twice)
+    target = -pid if name != "gateway" else pid
+    for attempt in range(3):
+        try:
+            os.kill(target, sig) if target > 0 else os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + (timeout_s if attempt == 0 else 10)
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.3)
+    os.killpg(pid, signal.SIGKILL) if target < 0 else os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,58 @@
+"""train-on-new-feedback: collect batch → judge → train → register → promote → commit → reload.
+
+Triggered by `clawflow.shard.sealed` events (see prefect.yaml) or by hand:
+    prefect deployment run train-on-new-feedback/train-on-new-feedback
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, runtime
+from prefect.artifacts import create_markdown_artifact
+
+from clawflow.config import load_config
+from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, promote, register,
+                            reload_gateway, start_run, train_policy)
+from clawflow.feedback import training_samples
+
+
+@flow(name="train-on-new-feedback", log_prints=True)
+def train_on_new_feedback(config_path: str | None = None, max_turns: int | None = None,
+                          reload: bool = True) -> dict:
+    """Train the served policy on the feedback its conversations received since the last run."""
+    cfg = load_config(config_path)
+    log = get_run_logger()
+    pairs = collect_batch(cfg, max_turns or cfg.train.max_turns)
+    if not pairs:
+        return _report({"trained": False, "reason": "no new turns with a next state"})
+
+    judgments = judge_turns(cfg, pairs)
+    samples = training_samples(pairs, judgments)
+    parent, base = current_policy(cfg)
+    turn_ids = [p["turn_id"] for p in pairs]
+    if not samples:
+        # Judged but neutral: nothing to learn; consume them so they are not judged again.
+        commit_consumption(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent)
+        return _report({"trained": False, "reason": "all turns judged neutral", "turns": len(pairs)})
+
+    run_id = start_run(cfg, str(runtime.flow_run.id), parent, pairs, judgments)
+    checkpoint, metrics = train_policy(cfg, run_id, base, samples)
+    version = register(cfg, run_id, checkpoint, parent, len(samples))
+    promote(cfg, version)
+    commit_consumption(cfg, turn_ids, run_id, version)
+    reloaded = reload_gateway(cfg, version, str(checkpoint)) if reload else False
+    log.info("v%d trained on %d samples from v%d", version, len(samples), parent)
+    rewards = [s["reward"] for s in samples]
+    return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
+                    "samples": len(samples), "reward_mean": sum(rewards) / len(rewards),
+                    "mlflow_run": run_id, "reloaded": reloaded, "loss": metrics["per_step"][-1]["loss"] if metrics.get("per_step") else None})
+
+
+def _report(summary: dict) -> dict:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    create_markdown_artifact(markdown=f"| field | value |\n|---|---|\n{rows}\n", key="training-summary",
+                             description="What this training run consumed and produced")
+    return summary
+
+
+if __name__ == "__main__":
+    print(train_on_new_feedback())

@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny model made once per session, per-test configs, a gateway on a real port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from clawflow.config import REPO_ROOT, load_config
+
+for var in ("CLAWFLOW_HOME", "CLAWFLOW_CONFIG", "CLAWFLOW_API_KEY", "CLAWFLOW_ADMIN_KEY", "PREFECT_API_URL"):
+    os.environ.pop(var, None)
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """configs/test.yaml's model (random weights, SmolLM2 tokenizer), materialized once."""
+    from clawflow.models import base_model_dir
+
+    os.environ["CLAWFLOW_HOME"] = str(tmp_path_factory.mktemp("model-home"))
+    try:
+        return base_model_dir(load_config(REPO_ROOT / "configs" / "test.yaml"))
+    finally:
+        os.environ.pop("CLAWFLOW_HOME")
+
+
+@pytest.fixture
+def make_config(tmp_path, tiny_model_dir):
+    """Write a complete YAML config (tiny model, temp home, free port) and load it."""
+
+    def make(**sections):
+        raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+        raw["home"] = str(tmp_path / "home")
+        raw["model"] = {"name": "clawflow-tiny", "path": tiny_model_dir}
+        raw["serving"]["port"] = free_port()
+        for key, value in sections.items():
+            raw.setdefault(key, {}).update(value)
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return load_config(path)
+
+    return make
+
+
+@contextlib.contextmanager
+def running_gateway(cfg):
+    """The real app under uvicorn on cfg.serving.port, in a thread; stopped (and sealed) on exit."""
+    import uvicorn
+
+    from clawflow.serving.server import build_app
+
+    app = build_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.serving.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.05)
+    try:
+        yield app
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+@pytest.fixture
+def gateway(make_config):
+    cfg = make_config()
+    with running_gateway(cfg) as app:
+        yield cfg, app
+
+
+def admin(cfg) -> dict:
+    return {"Authorization": f"Bearer {cfg.serving.admin_key}"}
+
+
+def policy_version(cfg) -> int:
+    return httpx.get(f"{cfg.gateway_url}/admin/policy", headers=admin(cfg)).json()["version"]
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A real Prefect server (Prefect's own test harness) for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
