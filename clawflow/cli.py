@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from clawflow.config import ConfigError, load_config
@@ -26,7 +27,7 @@ def _cfg(config: Optional[Path]):
     try:
         return load_config(config)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)  # one line, path verbatim
         raise typer.Exit(2) from None
 
 

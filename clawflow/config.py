@@ -77,7 +77,7 @@ class JudgeConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    lr: float = 1e-5
+    lr: float = 1e-6
     epochs: int = 1
     micro_batch: int = 4
     max_turns: int = 256  # largest batch one training run takes, oldest first
@@ -143,14 +143,17 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
         raw = yaml.safe_load(src.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{src}: not valid YAML ({exc.__class__.__name__})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: the top level must be a mapping of sections, not {type(raw).__name__}")
     if env_home := os.environ.get("CLAWFLOW_HOME"):
         raw["home"] = env_home
     serving = raw.setdefault("serving", {}) or {}
     raw["serving"] = serving
-    if key := os.environ.get("CLAWFLOW_API_KEY"):
-        serving["api_key"] = key
-    if key := os.environ.get("CLAWFLOW_ADMIN_KEY"):
-        serving["admin_key"] = key
+    if isinstance(serving, dict):  # anything else fails validation below with a one-line message
+        if key := os.environ.get("CLAWFLOW_API_KEY"):
+            serving["api_key"] = key
+        if key := os.environ.get("CLAWFLOW_ADMIN_KEY"):
+            serving["admin_key"] = key
     try:
         cfg = Config.model_validate({**raw, "source_file": src})
     except ValidationError as exc:

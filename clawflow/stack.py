@@ -60,9 +60,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def wait_http(url: str, timeout_s: float, what: str) -> None:
+def wait_http(url: str, timeout_s: float, what: str, failed=lambda: None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if reason := failed():
+            raise RuntimeError(f"{what} failed: {reason}")
         try:
             if httpx.get(url, timeout=2).status_code < 500:
                 return
@@ -70,6 +72,35 @@ def wait_http(url: str, timeout_s: float, what: str) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(f"{what} did not answer at {url} within {timeout_s:.0f}s (see $CLAWFLOW_HOME/logs)")
+
+
+def _serve_policy_failure(cfg: Config) -> str | None:
+    """The last serve-policy run's failure message, if it failed (so `up` stops waiting)."""
+    api = f"http://127.0.0.1:{cfg.services.prefect_port}/api"
+    try:
+        runs = httpx.post(f"{api}/flow_runs/filter", timeout=5, json={
+            "deployments": {"name": {"any_": ["serve-policy"]}}, "sort": "EXPECTED_START_TIME_DESC", "limit": 1,
+        }).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    state = (runs[0].get("state") or {}) if runs else {}
+    if state.get("type") in ("FAILED", "CRASHED"):
+        return f"{state.get('message')} (full log: {cfg.home / 'logs' / 'worker.log'})"
+    return None
+
+
+def _cancel_stale_serve_runs(cfg: Config) -> None:
+    """The gateway is down, so any serve-policy run still Running/Scheduled is stale (e.g. a
+    killed machine); it would hold the deployment's concurrency slot forever."""
+    api = f"http://127.0.0.1:{cfg.services.prefect_port}/api"
+    runs = httpx.post(f"{api}/flow_runs/filter", timeout=10, json={
+        "deployments": {"name": {"any_": ["serve-policy"]}},
+        "flow_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "SCHEDULED", "PAUSED", "CANCELLING"]}}},
+    }).json()
+    for run in runs:
+        httpx.post(f"{api}/flow_runs/{run['id']}/set_state", timeout=10, json={
+            "state": {"type": "CANCELLED", "message": "stale: the gateway was not running at `clawflow up`"},
+            "force": True})
 
 
 def _prefect(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -95,19 +126,21 @@ def up(cfg: Config, echo=print) -> None:
         httpx.get(f"{cfg.gateway_url}/healthz", timeout=2)
         echo("gateway already running")
     except httpx.HTTPError:
+        _cancel_stale_serve_runs(cfg)
         run = _prefect(["deployment", "run", "serve-policy/serve-policy"], env)
         if run.returncode != 0:
             raise RuntimeError(f"could not start serve-policy: {run.stdout[-1000:]}{run.stderr[-1000:]}")
     wait_http(f"http://127.0.0.1:{s.mlflow_port}/health", 180, "MLflow server")
     echo(f"MLflow UI       http://127.0.0.1:{s.mlflow_port}")
-    wait_http(f"{cfg.gateway_url}/healthz", 600, "gateway (first start converts the model: ~1 min)")
+    wait_http(f"{cfg.gateway_url}/healthz", 600, "gateway (first start converts the model: ~1 min)",
+              failed=lambda: _serve_policy_failure(cfg))
     echo(f"OpenAI API      {cfg.gateway_url}/v1   (api_key: {cfg.serving.api_key})")
 
 
 def down(cfg: Config, echo=print) -> None:
-    # Worker first (so nothing restarts the gateway), then the gateway (it seals its segments on
-    # SIGTERM), then the servers.
-    for name in ("worker", "gateway", "mlflow-server", "prefect-server"):
+    # The gateway first: on SIGTERM it seals its segments and its serve-policy run ends Completed
+    # (a crash would trigger the always-on restart); then the worker and the servers.
+    for name in ("gateway", "worker", "mlflow-server", "prefect-server"):
         pidfile = cfg.home / "run" / f"{name}.pid"
         if not pidfile.exists():
             continue

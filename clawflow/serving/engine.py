@@ -72,7 +72,9 @@ class TorchEngine:
     def _load(self, path: str):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, output_loading_info=True)
+        if info.get("missing_keys"):  # transformers fills them with random weights: never serve that
+            raise ValueError(f"checkpoint lacks weights {sorted(info['missing_keys'])[:3]}")
         model.eval()
         return model
 
@@ -142,8 +144,8 @@ class TorchEngine:
                 finish = "stop"
                 break
             text = self.decode(out_ids)
-            if hit := next((s for s in params.stop if s in text), None):
-                text, finish = text[: text.index(hit)], "stop"
+            if cuts := [text.index(s) for s in params.stop if s in text]:
+                text, finish = text[: min(cuts)], "stop"  # the earliest stop string wins
                 break
             if on_token is not None and not on_token(token, logprobs[-1], text):
                 finish = "abort"

@@ -144,6 +144,7 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = False
         sent = ""
+        pending_lp: list[dict] = []  # logprobs of tokens whose text is not sent yet
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> str:
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -163,19 +164,23 @@ class Gateway:
                         token, logprob, text = await asyncio.wait_for(queue.get(), timeout=0.05)
                     except TimeoutError:
                         continue
-                    if not req.tools and text.startswith(sent) and len(text) > len(sent):
-                        extra = {}
-                        if req.logprobs:
-                            extra["logprobs"] = {"content": [{"token": self.engine.tokenizer.decode([token]),
-                                                              "logprob": logprob, "top_logprobs": []}]}
-                        yield chunk({"content": text[len(sent):]}, **extra)
-                        sent = text
+                    if req.tools:
+                        continue
+                    if req.logprobs:
+                        pending_lp.append({"token": self.engine.tokenizer.decode([token]),
+                                           "logprob": logprob, "top_logprobs": []})
+                    safe = _streamable(text, params.stop)
+                    if safe.startswith(sent) and len(safe) > len(sent):
+                        extra = {"logprobs": {"content": pending_lp}} if req.logprobs else {}
+                        yield chunk({"content": safe[len(sent):]}, **extra)
+                        sent, pending_lp = safe, []
                 gen = await task
             reply, finish = self.reply_message(gen, req)
             if req.tools and reply.get("content"):
                 yield chunk({"content": reply["content"]})
             elif not req.tools and len(gen.text) > len(sent) and gen.text.startswith(sent):
-                yield chunk({"content": gen.text[len(sent):]})
+                extra = {"logprobs": {"content": pending_lp}} if req.logprobs and pending_lp else {}
+                yield chunk({"content": gen.text[len(sent):]}, **extra)
             if reply.get("tool_calls"):
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]})
             await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, None)
@@ -188,3 +193,12 @@ class Gateway:
             yield "data: [DONE]\n\n"
         finally:
             cancelled = True  # a client that disconnects mid-stream stops its decode loop
+
+
+def _streamable(text: str, stops: list[str]) -> str:
+    """The part of the decoded text that is safe to stream: without a trailing incomplete UTF-8
+    character (decoded as U+FFFD until its last byte token arrives) and without a tail that could
+    be the start of a stop string (the engine cuts the reply there if the stop string completes)."""
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
