@@ -152,7 +152,7 @@ def perturbed_model_dir(tmp_path_factory, tiny_model_dir) -> str:
 
 # SmolLM2's byte-level BPE has one token per raw byte; "€" is the three bytes E2 82 AC.
 def _byte_token_names() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:

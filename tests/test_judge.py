@@ -55,7 +55,8 @@ def test_neutral_text_scores_zero(text):
 
 
 def test_tool_error_output_scores_minus_one():
-    out = 'Traceback (most recent call last):\n  File "run.py", line 3, in <module>\nZeroDivisionError: division by zero'
+    out = ('Traceback (most recent call last):\n  File "run.py", line 3, in <module>\n'
+           "ZeroDivisionError: division by zero")
     j = judge(tool_result(out))
     assert j.score == -1 and j.votes == [-1] and j.hint is None
 

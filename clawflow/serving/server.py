@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from clawflow.config import Config
 from clawflow.models import base_model_dir
@@ -19,6 +20,9 @@ log = logging.getLogger("clawflow.server")
 def initial_policy(cfg: Config) -> tuple[int, str]:
     from clawflow import registry
 
+    uri = cfg.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return 0, base_model_dir(cfg)  # no registry yet: skip MLflow's table creation (seconds)
     try:
         found = registry.champion(cfg)
     except Exception as exc:  # a registry that cannot be read must not keep users from being served
