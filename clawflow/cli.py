@@ -93,5 +93,9 @@ def status(config: Optional[Path] = ConfigOpt) -> None:
     console.print(table)
 
 
+from clawflow import cli_policy  # noqa: E402 - registers train, versions, compare, rollback, chat
+
+cli_policy.register(app, _cfg, ConfigOpt)
+
 if __name__ == "__main__":
     app()

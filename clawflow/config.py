@@ -89,6 +89,22 @@ class TrainConfig(_Strict):
     threads: int | None = None
 
 
+class GateConfig(_Strict):
+    """Eval gate before promotion (clawflow/gate.py)."""
+
+    enabled: bool = True
+    max_kl: float = 0.25  # nats/token, KL(champion ‖ candidate) on the champion's probe replies
+    max_nll_increase: float = 0.25  # nats/token on those replies
+    max_new_tokens: int = 24
+    probes: list[str] = Field(default_factory=lambda: [
+        "What is the capital of France?",
+        "Write one sentence about the ocean.",
+        "List three primary colors.",
+        "How do I reverse a list in Python?",
+        "Say hello to my friend Sam.",
+    ])
+
+
 class RegistryConfig(_Strict):
     tracking_uri: str | None = None  # None: sqlite:///$CLAWFLOW_HOME/mlflow.db
     experiment: str = "clawflow"
@@ -109,6 +125,7 @@ class Config(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
     source_file: Path | None = None

@@ -107,3 +107,46 @@ def champion(cfg: Config) -> tuple[int, str] | None:
         return resolve(cfg, CHAMPION)
     except LookupError:
         return None
+
+
+def tag_version(cfg: Config, version: int, tags: dict[str, str]) -> None:
+    client = _client(cfg)
+    for key, value in tags.items():
+        client.set_model_version_tag(cfg.model.name, str(version), key, str(value))
+
+
+def rollback(cfg: Config, target: int | str | None = None) -> tuple[int, int, str]:
+    """Point `champion` at `target` (default: the `previous` alias); the old champion becomes
+    `previous`. Returns (old champion, new champion, its checkpoint)."""
+    current = champion(cfg)
+    if current is None:
+        raise LookupError(f"model {cfg.model.name!r} has no champion to roll back from")
+    version, path = resolve(cfg, PREVIOUS if target is None else target)
+    if version == current[0]:
+        raise LookupError(f"version {version} is already the champion")
+    client = _client(cfg)
+    client.set_registered_model_alias(cfg.model.name, CHAMPION, str(version))
+    client.set_registered_model_alias(cfg.model.name, PREVIOUS, str(current[0]))
+    client.set_model_version_tag(cfg.model.name, str(current[0]), "rolled_back_from", "true")
+    return current[0], version, path
+
+
+def list_versions(cfg: Config) -> list[dict[str, Any]]:
+    """Every version, newest first: number, aliases, tags, source, creation time, run metrics."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(cfg)
+    try:
+        model = client.get_registered_model(cfg.model.name)
+    except MlflowException:
+        return []
+    aliases: dict[str, list[str]] = {}
+    for alias, v in (model.aliases or {}).items():
+        aliases.setdefault(str(v), []).append(alias)
+    rows = []
+    for mv in client.search_model_versions(f"name='{cfg.model.name}'"):
+        metrics = client.get_run(mv.run_id).data.metrics if mv.run_id else {}
+        rows.append({"version": int(mv.version), "aliases": sorted(aliases.get(str(mv.version), [])),
+                     "tags": dict(mv.tags or {}), "source": mv.source, "created": mv.creation_timestamp,
+                     "run_id": mv.run_id, "metrics": metrics})
+    return sorted(rows, key=lambda r: -r["version"])

@@ -1,4 +1,4 @@
-"""train-on-new-feedback: collect batch → judge → train → register → promote → commit → reload.
+"""train-on-new-feedback: collect batch → judge → train → register → gate → promote → commit → reload.
 
 Triggered by `clawflow.shard.sealed` events (see prefect.yaml) or by hand:
     prefect deployment run train-on-new-feedback/train-on-new-feedback
@@ -10,9 +10,10 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
 from clawflow.config import load_config
+from clawflow.feedback import training_samples
+from tasks.policy import gate_candidate
 from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, promote, register,
                             reload_gateway, start_run, train_policy)
-from clawflow.feedback import training_samples
 
 
 @flow(name="train-on-new-feedback", log_prints=True)
@@ -36,15 +37,20 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
 
     run_id = start_run(cfg, str(runtime.flow_run.id), parent, pairs, judgments)
     checkpoint, metrics = train_policy(cfg, run_id, base, samples)
-    version = register(cfg, run_id, checkpoint, parent, len(samples))
-    promote(cfg, version)
-    commit_consumption(cfg, turn_ids, run_id, version)
-    reloaded = reload_gateway(cfg, version, str(checkpoint)) if reload else False
-    log.info("v%d trained on %d samples from v%d", version, len(samples), parent)
     rewards = [s["reward"] for s in samples]
+    version = register(cfg, run_id, checkpoint, parent, len(samples), sum(rewards) / len(rewards))
+    gate = gate_candidate(cfg, version, str(checkpoint), base)
+    if gate.passed:
+        promote(cfg, version)
+    # Consumed either way: a rejected version's turns would train the same rejected step again.
+    commit_consumption(cfg, turn_ids, run_id, version)
+    reloaded = reload_gateway(cfg, version, str(checkpoint)) if reload and gate.passed else False
+    log.info("v%d trained on %d samples from v%d: %s", version, len(samples), parent, gate.reason)
+    last = metrics.get("per_step") or [{}]
     return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
                     "samples": len(samples), "reward_mean": sum(rewards) / len(rewards),
-                    "mlflow_run": run_id, "reloaded": reloaded, "loss": metrics["per_step"][-1]["loss"] if metrics.get("per_step") else None})
+                    "promoted": gate.passed, "gate": gate.reason, "mlflow_run": run_id,
+                    "reloaded": reloaded, "loss": last[-1].get("loss")})
 
 
 def _report(summary: dict) -> dict:

@@ -6,11 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from clawflow import events, registry
+from clawflow import events, ops, registry
 from clawflow.config import Config
 from clawflow.feedback import judge_pairs, training_samples, write_samples
 from clawflow.judge import make_judge
@@ -78,9 +77,10 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, An
 
 
 @task(name="register-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def register(cfg: Config, run_id: str, checkpoint: Path, parent: int, turns: int) -> int:
+def register(cfg: Config, run_id: str, checkpoint: Path, parent: int, turns: int, reward_mean: float) -> int:
     version = registry.register_checkpoint(
-        cfg, run_id, checkpoint, {"parent_version": str(parent), "turns": str(turns)})
+        cfg, run_id, checkpoint,
+        {"parent_version": str(parent), "turns": str(turns), "reward_mean": f"{reward_mean:.4f}"})
     registry.end_run(cfg, run_id)
     events.emit(events.POLICY_REGISTERED, f"clawflow.policy.{cfg.model.name}.v{version}",
                 {"version": version, "run_id": run_id, "path": str(checkpoint)})
@@ -101,20 +101,13 @@ def commit_consumption(cfg: Config, turn_ids: list[str], run_id: str, version: i
     return catalog(cfg).commit_consumed(turn_ids, run_id, version)
 
 
-@task(name="reload-gateway", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3)
+@task(name="reload-gateway", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3,
+      task_run_name="reload-v{version}")
 def reload_gateway(cfg: Config, version: int, checkpoint: str) -> bool:
     """Tell the gateway to serve `version`. A gateway that is down is not an error: it starts on
     the champion next time."""
-    try:
-        r = httpx.post(f"{cfg.gateway_url}/admin/reload", json={"path": checkpoint, "version": version},
-                       headers={"Authorization": f"Bearer {cfg.serving.admin_key}"}, timeout=300)
-    except httpx.ConnectError:
+    if ops.reload_gateway(cfg, version, checkpoint) is None:
         get_run_logger().warning("gateway at %s is not running; it will load v%d when it starts",
                                  cfg.gateway_url, version)
         return False
-    if r.status_code >= 500:
-        r.raise_for_status()  # retried
-    if r.status_code != 200:
-        raise RuntimeError(f"gateway refused v{version}: {r.text}")
-    events.emit(events.POLICY_RELOADED, f"clawflow.policy.{cfg.model.name}.v{version}", r.json())
     return True

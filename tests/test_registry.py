@@ -1,0 +1,76 @@
+"""MLflow registry against a real SQLite store: versions, aliases, promote, rollback, lineage."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import yaml
+
+from clawflow import registry
+from clawflow.config import load_config
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def store_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("registry")  # one MLflow store per module: creating one takes seconds
+
+
+@pytest.fixture
+def cfg(store_home, tmp_path):
+    """A config whose registered model name is unique to the test, on the shared store."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"home": str(store_home), "model": {"name": f"m{next(_names)}", "path": "unused"}}))
+    return load_config(path)
+
+
+def new_version(cfg, tmp_path, n: int, parent: int) -> int:
+    ckpt = tmp_path / f"ckpt{n}"
+    ckpt.mkdir()
+    run = registry.start_run(cfg, f"train-{n}", {"lr": 1e-3}, {"clawflow.parent_version": str(parent)})
+    registry.log_metrics(cfg, run, [{"loss": 1.0 / n}], {"samples": 2.0})
+    version = registry.register_checkpoint(cfg, run, ckpt, {"parent_version": str(parent), "turns": "2"})
+    registry.end_run(cfg, run)
+    return version
+
+
+def test_promote_and_rollback_move_aliases(cfg, tmp_path):
+    assert registry.champion(cfg) is None
+    v1, v2, v3 = (new_version(cfg, tmp_path, n, n - 1) for n in (1, 2, 3))
+    assert (v1, v2, v3) == (1, 2, 3)
+
+    assert registry.promote(cfg, v1) is None
+    assert registry.promote(cfg, v2) == 1
+    assert registry.champion(cfg) == (2, str(tmp_path / "ckpt2"))
+    assert registry.resolve(cfg, "previous")[0] == 1
+
+    assert registry.rollback(cfg) == (2, 1, str(tmp_path / "ckpt1"))  # previous → champion
+    assert registry.champion(cfg)[0] == 1 and registry.resolve(cfg, "previous")[0] == 2
+
+    registry.rollback(cfg, 3)  # to an explicit version
+    assert registry.champion(cfg)[0] == 3 and registry.resolve(cfg, "previous")[0] == 1
+    with pytest.raises(LookupError, match="already the champion"):
+        registry.rollback(cfg, 3)
+    with pytest.raises(LookupError, match="no version 9"):
+        registry.rollback(cfg, 9)
+
+
+def test_rollback_without_champion_is_a_clear_error(cfg):
+    with pytest.raises(LookupError, match="no champion"):
+        registry.rollback(cfg)
+
+
+def test_rejected_version_keeps_the_champion_and_lineage_is_recorded(cfg, tmp_path):
+    v1 = new_version(cfg, tmp_path, 1, 0)
+    registry.promote(cfg, v1)
+    v2 = new_version(cfg, tmp_path, 2, 1)
+    registry.tag_version(cfg, v2, {"gate": "rejected", "rejected": "probe KL 3.1 > max_kl 0.25"})
+
+    rows = {r["version"]: r for r in registry.list_versions(cfg)}
+    assert registry.champion(cfg)[0] == 1
+    assert rows[1]["aliases"] == ["champion"] and rows[2]["aliases"] == []
+    assert rows[2]["tags"]["rejected"].startswith("probe KL")
+    assert rows[2]["tags"]["parent_version"] == "1" and rows[2]["tags"]["turns"] == "2"
+    assert rows[2]["metrics"]["loss"] == pytest.approx(0.5)
