@@ -116,6 +116,10 @@ class ServicesConfig(_Strict):
     prefect_port: int = 4200
     mlflow_port: int = 5000
     work_pool: str = "clawflow-process"
+    # train-on-new-feedback runs after this many clawflow.shard.sealed events within the window
+    # (rendered into the deployment's trigger by `clawflow up`); runs are serial either way.
+    train_trigger_threshold: int = Field(1, ge=1)
+    train_trigger_within_s: float = Field(0.0, ge=0)
 
 
 class Config(_Strict):

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from clawflow.config import REPO_ROOT, Config
 
@@ -107,7 +109,47 @@ def _prefect(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
     return subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
 
 
+class _NoAliases(yaml.SafeDumper):
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def render_prefect_yaml(cfg: Config) -> Path:
+    """prefect.yaml with the training trigger's batching window taken from the config."""
+    spec = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())
+    for dep in spec["deployments"]:
+        if dep["name"] == "train-on-new-feedback":
+            for trig in dep.get("triggers", []):
+                trig["threshold"] = cfg.services.train_trigger_threshold
+                trig["within"] = cfg.services.train_trigger_within_s
+    out = cfg.home / "prefect.rendered.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.dump(spec, Dumper=_NoAliases, sort_keys=False))
+    return out
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def check_ports(cfg: Config) -> None:
+    """Refuse to start when a port `up` needs is taken by something `up` did not start."""
+    ours = {name for name in ("prefect-server", "mlflow-server") if _pid_alive(cfg, name)}
+    wanted = {"prefect-server": cfg.services.prefect_port, "mlflow-server": cfg.services.mlflow_port}
+    busy = [f"{port} ({name})" for name, port in wanted.items() if name not in ours and _port_in_use(port)]
+    if busy:
+        raise RuntimeError(f"port(s) already in use by another program: {', '.join(busy)}; "
+                           "stop it or change `services:` in the config")
+
+
+def _pid_alive(cfg: Config, name: str) -> bool:
+    pidfile = cfg.home / "run" / f"{name}.pid"
+    return pidfile.exists() and _alive(int(pidfile.read_text()))
+
+
 def up(cfg: Config, echo=print) -> None:
+    check_ports(cfg)
     env = service_env(cfg)
     s = cfg.services
     _start(cfg, "prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
@@ -118,7 +160,7 @@ def up(cfg: Config, echo=print) -> None:
     wait_http(f"http://127.0.0.1:{s.prefect_port}/api/health", 180, "Prefect server")
     echo(f"Prefect UI      http://127.0.0.1:{s.prefect_port}")
     _prefect(["work-pool", "create", s.work_pool, "--type", "process"], env)  # exists already: fine
-    deployed = _prefect(["--no-prompt", "deploy", "--all"], env)
+    deployed = _prefect(["--no-prompt", "deploy", "--all", "--prefect-file", str(render_prefect_yaml(cfg))], env)
     if deployed.returncode != 0:
         raise RuntimeError(f"prefect deploy failed: {deployed.stdout[-2000:]}{deployed.stderr[-2000:]}")
     _start(cfg, "worker", [str(BIN / "prefect"), "worker", "start", "--pool", s.work_pool], env)
