@@ -93,6 +93,69 @@ def status(config: Optional[Path] = ConfigOpt) -> None:
     console.print(table)
 
 
+@app.command()
+def export(out: Path = typer.Argument(..., help="file to write (.parquet or .jsonl)"),
+           session: Optional[list[str]] = typer.Option(None, "--session", "-s", help="a session id (repeatable)"),
+           all_sessions: bool = typer.Option(False, "--all", help="every session"),
+           fmt: Optional[str] = typer.Option(None, "--format", help="parquet | jsonl (default: from the suffix)"),
+           config: Optional[Path] = ConfigOpt) -> None:
+    """Export the sealed turns of chosen sessions (DuckDB, pandas and polars read the Parquet)."""
+    import duckdb
+
+    from clawflow.store.catalog import Catalog
+    from clawflow.store.privacy import export_sessions
+
+    cfg = _cfg(config)
+    if not session and not all_sessions:
+        console.print("[red]error:[/red] name sessions with --session ID (repeatable) or pass --all")
+        raise typer.Exit(2)
+    try:
+        n = export_sessions(Catalog.for_config(cfg), out, None if all_sessions else session, fmt)
+    except (ValueError, OSError, duckdb.Error) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2 if isinstance(exc, ValueError) else 1) from None
+    console.print(f"exported {n} turns to {escape(str(out))}", soft_wrap=True)
+
+
+@app.command()
+def forget(session: str = typer.Argument(..., help="the session id to remove"),
+           yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
+           config: Optional[Path] = ConfigOpt) -> None:
+    """Remove a session's turns everywhere: shards, WAL, catalog, judgments, training samples."""
+    import duckdb
+
+    from clawflow.store.catalog import Catalog
+    from clawflow.store.privacy import forget_session
+
+    cfg = _cfg(config)
+    if not yes and not typer.confirm(f"Permanently remove every turn of session {session!r}?"):
+        raise typer.Exit(1)
+    try:
+        r = forget_session(Catalog.for_config(cfg), session)
+    except (OSError, duckdb.Error) as exc:  # e.g. the catalog stayed locked by a running training
+        console.print(f"[red]error:[/red] {escape(f'{exc.__class__.__name__}: {exc}')}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(f"forgot session: {r.turns} turns from {r.shards} shards, {r.wal_records} unsealed turns, "
+                  f"{r.judgments} judgments, {r.samples} training samples, {r.catalog_rows} catalog rows")
+
+
+@app.command("judge-eval")
+def judge_eval(file: Path = typer.Argument(..., help="labelled JSONL (format: configs/judge/README.md)"),
+               judge: Optional[str] = typer.Option(None, "--judge", help="embedded | llm | rules | auto (default: config)"),
+               split: str = typer.Option("all", "--split", help="all | train | test (fixed split by item id)"),
+               mistakes: bool = typer.Option(False, "--mistakes", help="list the items judged wrong"),
+               config: Optional[Path] = ConfigOpt) -> None:
+    """Score a labelled set with a judge: confusion matrix, hint rate, `accuracy: …` last."""
+    from clawflow.judge.evaluate import run_eval
+
+    cfg = _cfg(config)
+    try:
+        typer.echo(run_eval(cfg, file, judge, split, mistakes))
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 from clawflow import cli_policy  # noqa: E402 - registers train, versions, compare, rollback, chat
 
 cli_policy.register(app, _cfg, ConfigOpt)

@@ -60,33 +60,139 @@ class ServingConfig(_Strict):
     api_key: str = "clawflow"
     admin_key: str = "clawflow-admin"
     max_new_tokens: int = 256  # default when the request sets no max_tokens
-    max_concurrency: int = 4  # requests decoding at once
+    max_concurrency: int = Field(32, ge=1)  # requests decoding at once (the continuous batch)
+    max_queue: int = Field(64, ge=0)  # requests waiting beyond that; more get HTTP 429 + Retry-After
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get HTTP 413
+    engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (README)
+    sglang_url: str = "http://127.0.0.1:30010"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
 
 
 class StoreConfig(_Strict):
-    fsync: Literal["always", "never"] = "always"  # "always": fsync each turn before replying
-    segment_max_bytes: int = 8 * 1024 * 1024
-    segment_max_age_s: float = 60.0
-    seal_interval_s: float = 5.0  # how often the background sealer looks at segments
+    """Trajectory store (clawflow/store): WAL segments, Parquet shards, the DuckDB catalog."""
+
+    # "always": fsync each turn before replying; "group": one fsync per group_commit_ms window covers
+    # every turn written in it (each reply still waits for it); "never": OS page cache only.
+    fsync: Literal["always", "group", "never"] = "always"
+    group_commit_ms: float = Field(5.0, gt=0)
+    # a segment is sealed into a shard at whichever comes first: bytes, turns or age
+    segment_max_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    segment_max_turns: int = Field(10_000, ge=1)
+    segment_max_age_s: float = Field(60.0, gt=0)
+    seal_interval_s: float = Field(5.0, gt=0)  # how often the background sealer looks at segments
+    row_group_rows: int = Field(122_880, ge=1)  # DuckDB scans one row group per thread
+    compaction_target_bytes: int = Field(128 * 1024 * 1024, ge=1)  # shards under half of it are merged
+    retention_days: float | None = Field(None, gt=0)  # None: keep forever
+    retention_max_bytes: int | None = Field(None, ge=1)  # None: no size bound
+    batch_max_tokens: int | None = Field(None, ge=1)  # token budget of one training batch
+    claim_ttl_s: float = Field(8 * 3600, gt=0)  # a failed run's unreleased batch is free again after this
+
+
+class LLMJudgeConfig(_Strict):
+    """Any OpenAI-compatible endpoint (SGLang, vLLM, a hosted API, clawflow's own gateway)."""
+
+    base_url: str | None = None  # e.g. http://127.0.0.1:30000/v1; set → `auto` picks this backend
+    api_key: str | None = None  # else $CLAWFLOW_JUDGE_API_KEY
+    model: str = "default"
+    temperature: float = 0.6  # votes must be able to differ: m samples, majority
+    max_tokens: int = 512
+    timeout_s: float = 60.0
+    max_retries: int = 4  # on 429, 5xx, timeouts and connection errors
+    backoff_s: float = 0.5  # first retry delay; doubles, with jitter, capped at backoff_max_s
+    backoff_max_s: float = 20.0
+    concurrency: int = 8  # HTTP requests in flight at once
+    budget_requests: int | None = None  # per training run, retries included; spent → turns wait
+    budget_tokens: int | None = None  # per training run (usage.total_tokens)
+    headers: dict[str, str] = Field(default_factory=lambda: {"X-Turn-Type": "side"})  # never trained on
+
+
+class EmbeddedJudgeConfig(_Strict):
+    """MiniLM sentence embeddings + a logistic head built from configs/judge/ (no second LLM)."""
+
+    head: Path | None = None  # default configs/judge/embedded_head.safetensors
+    exemplars: Path | None = None  # default configs/judge/exemplars.jsonl
+    labelled: Path | None = None  # default configs/judge/labelled.jsonl (its train split)
+    threads: int | None = 1  # torch threads while embedding (None: leave torch's setting)
 
 
 class JudgeConfig(_Strict):
-    backend: Literal["rules"] = "rules"
-    votes: int = 1
+    # auto: `llm` when llm.base_url is set, else `embedded`; `rules` is the lexical baseline.
+    backend: Literal["auto", "embedded", "llm", "rules"] = "auto"
+    votes: int = Field(3, ge=1)  # m votes per turn (LLM); deterministic backends vote once
+    hints: Literal["off", "nonzero", "always"] = "nonzero"  # ask for a hindsight hint (OPD)
+    hint_min_chars: int = 20  # shorter hints are dropped; the longest valid vote wins
+    include_request: bool = True  # show the request to the judge (helps with rephrases)
+    context_messages: int = 6  # how many of the last request messages the judge sees
+    prm_prompt: str = "prm_v1"  # clawflow/judge/prompts/<name>.txt
+    hint_prompt: str = "hint_v1"
+    concurrency: int = 8  # turns judged at once
+    # Outcome rewards (`env_reward`): add to the PRM score (OpenClaw-RL's step + outcome), use
+    # the outcome alone where present, or ignore it.
+    env_reward: Literal["add", "replace", "ignore"] = "add"
+    env_reward_weight: float = 1.0
+    llm: LLMJudgeConfig = Field(default_factory=LLMJudgeConfig)
+    embedded: EmbeddedJudgeConfig = Field(default_factory=EmbeddedJudgeConfig)
+
+    @model_validator(mode="after")
+    def _llm_has_endpoint(self) -> "JudgeConfig":
+        if self.backend == "llm" and not self.llm.base_url:
+            raise ValueError("judge.backend `llm` needs judge.llm.base_url")
+        return self
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "llm" if self.llm.base_url else "embedded"
+
+
+class LoraSpec(_Strict):
+    """LoRA (Hu et al. 2021) via peft: adapter-only checkpoints of a few MB."""
+
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 class TrainConfig(_Strict):
+    """The trainer (clawflow/train). Loss math: clawflow/train/loss.py and advantages.py."""
+
     lr: float = 1e-6
-    epochs: int = 1
-    micro_batch: int = 4
+    epochs: int = Field(1, ge=1)
+    micro_batch: int = Field(4, ge=1)  # sequences per forward pass
+    step_tokens: int = Field(8192, ge=1)  # response tokens per optimizer step (gradient accumulation)
     max_turns: int = 256  # largest batch one training run takes, oldest first
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    tis_cap: float = 2.0  # truncated importance sampling cap for train/serve mismatch
+    # objective: binary RL, OPD from hindsight hints, or both (a turn without a hint has no OPD term)
+    objective: Literal["rl", "opd", "combined"] = "combined"
+    rl_weight: float = 1.0
+    opd_weight: float = 1.0
+    teacher: Literal["policy", "base"] = "policy"  # OPD teacher: the served policy (bench/opd_teacher.py), or the base
+    opd_clip: float | None = Field(None, gt=0)  # bound |teacher - old| per token
+    group_norm: bool = True  # GRPO (r - mean) / std within a group of samples of one prompt
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)  # PPO clip; clip-higher (DAPO, Yu et al. 2025)
+    eps_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)  # dual-clip PPO (Ye et al. 2020), e.g. 3.0
+    tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling vs rollout logprobs; None: off
+    kl_beta: float = Field(0.0, ge=0.0)  # k3 KL to the frozen base; 0 never runs the base
+    aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
+    max_staleness: int | None = Field(None, ge=0)  # policy versions; None = no bound
+    staleness: Literal["drop", "decay"] = "drop"
+    staleness_decay: float = Field(0.5, gt=0.0, le=1.0)
     weight_decay: float = 0.0
+    grad_clip: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    activation_checkpointing: bool = False
+    mixed_precision: bool = True  # GPU: bf16 compute, fp32 weights and reductions; CPU trains fp32
+    lora: LoraSpec | None = None
+    resume_every: int = Field(20, ge=0)  # steps between resumable states; 0 = only when interrupted
+    keep_optimizer: bool = True  # save AdamW state with the checkpoint; the next run continues it
+    seed: int = 0
     nproc: int = 1  # torchrun --nproc_per_node
     threads: int | None = None
+    peak_flops: float | None = None  # MFU denominator (FLOP/s); None = measured matmul peak
 
 
 class GateConfig(_Strict):
@@ -122,6 +228,29 @@ class ServicesConfig(_Strict):
     train_trigger_within_s: float = Field(0.0, ge=0)
 
 
+class EnvConfig(_Strict):
+    """Environments that drive episodes through the gateway like any client (clawflow/envs);
+    the always-on `collect-environment` deployment runs them."""
+
+    environments: list[Literal["persona", "terminal"]] = Field(default_factory=lambda: ["persona", "terminal"])
+    personas_file: Path | None = None  # default configs/envs/personas.yaml
+    personas: list[str] = Field(default_factory=list)  # persona names to run; empty = all
+    terminal_tasks_file: Path | None = None  # default configs/envs/terminal_tasks.yaml
+    concurrency: int = Field(4, ge=1)  # episodes in flight at once
+    episodes_per_round: int = Field(8, ge=1)
+    episodes_per_minute: float = Field(6.0, gt=0)  # the collection rate (rounds are paced to it)
+    max_turns: int = Field(4, ge=1)  # assistant turns per episode (persona replies, terminal steps)
+    group_n: int = Field(1, ge=1, le=16)  # n > 1: n choices at an episode's first turn (a GRPO group)
+    concrete_feedback: float = Field(0.5, ge=0.0, le=1.0)  # share of corrections that say what to do
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.8, ge=0.0)
+    command_timeout_s: float = Field(5.0, gt=0)  # terminal: per run_shell command
+    output_cap_bytes: int = Field(4096, ge=64)  # terminal: tool output kept per command
+    request_timeout_s: float = Field(300.0, gt=0)
+    health_poll_s: float = Field(5.0, gt=0)  # while the gateway is down
+    seed: int | None = None
+
+
 class Config(_Strict):
     home: Path = Path(".clawflow")
     model: ModelConfig
@@ -132,6 +261,7 @@ class Config(_Strict):
     gate: GateConfig = Field(default_factory=GateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+    envs: EnvConfig = Field(default_factory=EnvConfig)
     source_file: Path | None = None
 
     @property

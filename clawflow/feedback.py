@@ -1,20 +1,25 @@
 """From catalog pairs to a training batch: judge each turn by its next state, keep the signal.
 
-Pure library logic; the `train-on-new-feedback` flow calls it through thin tasks.
+Judgments are stored (`$CLAWFLOW_HOME/judgments/`) and reused: a turn is judged once per judge
+version. A turn the judge could not answer gets no judgment, is not trained on or consumed, and is
+judged again on the next run. Pure library logic; the `train-on-new-feedback` flow calls it
+through thin tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clawflow.judge import Judge, JudgeInput, judge_many
+from clawflow.judge import Judge, JudgeInput, Judgment, judge_many
+from clawflow.judge.stats import combine_reward
+from clawflow.judge.store import JudgmentStore
 
 SAMPLE_SCHEMA = pa.schema([
     ("turn_id", pa.string()),
@@ -23,6 +28,10 @@ SAMPLE_SCHEMA = pa.schema([
     ("response_logprobs", pa.list_(pa.float32())),
     ("reward", pa.float32()),
     ("hint", pa.string()),
+    ("messages", pa.string()),  # JSON: the request, for the trainer's hint-augmented OPD teacher prompt
+    ("tools", pa.string()),  # JSON or null
+    ("group_id", pa.string()),  # samples of one prompt (n > 1, environments): GRPO normalization
+    ("policy_version", pa.int64()),  # the version that sampled the turn: staleness
 ])
 
 
@@ -38,27 +47,48 @@ def judge_input(pair: dict[str, Any]) -> JudgeInput:
     )
 
 
-def judge_pairs(judge: Judge, pairs: list[dict[str, Any]], concurrency: int = 8) -> list[dict[str, Any]]:
-    """One judgment dict per pair, in order (turn_id, score, votes, rationale, hint, judge)."""
-    judgments = asyncio.run(judge_many(judge, [judge_input(p) for p in pairs], concurrency))
-    return [{"turn_id": p["turn_id"], **asdict(j)} for p, j in zip(pairs, judgments)]
+def judgment_row(pair: dict[str, Any], j: Judgment) -> dict[str, Any]:
+    """A judgment as the store's row (plus nothing else)."""
+    return {"turn_id": pair["turn_id"], "session_id": pair.get("session_id"), "judge": j.judge,
+            "judge_version": j.judge_version, "prompt_version": j.prompt_version, "score": j.score,
+            "votes": list(j.votes), "rationale": j.rationale, "hint": j.hint}
+
+
+def judge_pairs(judge: Judge, pairs: list[dict[str, Any]], concurrency: int = 8, store: JudgmentStore | None = None,
+                combine: Callable[[int, float | None], float] = combine_reward) -> list[dict[str, Any]]:
+    """Judgments for the pairs the judge answered, in pair order; unjudged pairs are left out.
+
+    Each dict has the store's columns plus `reward` (score combined with the turn's `env_reward`)
+    and `reused` (found in the store for this judge version instead of asked again)."""
+    stored = store.lookup([p["turn_id"] for p in pairs], judge.name, judge.version) if store else {}
+    todo = [p for p in pairs if p["turn_id"] not in stored]
+    fresh = asyncio.run(judge_many(judge, [judge_input(p) for p in todo], concurrency)) if todo else []
+    rows = [judgment_row(p, j) for p, j in zip(todo, fresh) if j is not None]
+    if store:
+        store.append(rows)
+    by_id = {r["turn_id"]: {**r, "reused": True} for r in stored.values()}
+    by_id.update({r["turn_id"]: {**r, "reused": False} for r in rows})
+    return [{**by_id[p["turn_id"]], "reward": combine(by_id[p["turn_id"]]["score"], p.get("env_reward"))}
+            for p in pairs if p["turn_id"] in by_id]
 
 
 def training_samples(pairs: list[dict[str, Any]], judgments: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Turns with a non-zero score become samples with reward = score (binary RL)."""
+    """Judged turns with a non-zero reward (binary RL) or a hint (OPD) become samples; unjudged
+    turns wait for a later run."""
     by_id = {j["turn_id"]: j for j in judgments}
-    return [
-        {
-            "turn_id": p["turn_id"],
-            "prompt_token_ids": list(p["prompt_token_ids"]),
-            "response_token_ids": list(p["response_token_ids"]),
-            "response_logprobs": list(p["response_logprobs"]),
-            "reward": float(by_id[p["turn_id"]]["score"]),
-            "hint": by_id[p["turn_id"]].get("hint"),
-        }
-        for p in pairs
-        if by_id[p["turn_id"]]["score"] != 0 and len(p["response_token_ids"]) > 0
-    ]
+    out = []
+    for p in pairs:
+        j = by_id.get(p["turn_id"])
+        if j is None:
+            continue
+        reward = float(j.get("reward", j["score"]))
+        if (reward != 0 or j.get("hint")) and len(p["response_token_ids"]) > 0:
+            out.append({"turn_id": p["turn_id"], "prompt_token_ids": list(p["prompt_token_ids"]),
+                        "response_token_ids": list(p["response_token_ids"]),
+                        "response_logprobs": list(p["response_logprobs"]), "reward": reward, "hint": j.get("hint"),
+                        "messages": p.get("messages"), "tools": p.get("tools"), "group_id": p.get("group_id"),
+                        "policy_version": p.get("policy_version")})
+    return out
 
 
 def write_samples(samples: list[dict[str, Any]], path: Path) -> Path:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,3 +106,44 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@contextlib.contextmanager
+def process_group(argv: list[str], env: dict, log_path: Path, stop=signal.SIGTERM, stop_times: int = 1):
+    """A child in its own process group, logging to `log_path`; stopped with `stop` (sent
+    `stop_times` times, e.g. twice SIGINT for a Prefect worker), then SIGKILL, on exit."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        for attempt in range(stop_times + 1):
+            if proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, stop if attempt < stop_times else signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(20 if attempt < stop_times else 10)
+        with contextlib.suppress(ProcessLookupError):  # children left in the group (flow runs)
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """`prefect server start` (UI, event triggers, automations) on a free port with its own
+    PREFECT_HOME; yields (api_url, env for child processes)."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1"}  # queued runs retry the slot quickly
+    argv = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with process_group(argv, env, home / "server.log") as proc:
+        from clawflow.stack import wait_http
+
+        wait_http(f"{api}/health", 180, "Prefect server",
+                  failed=lambda: proc.poll() is not None and (home / "server.log").read_text()[-2000:])
+        yield api, env

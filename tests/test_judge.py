@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import yaml
 
-from clawflow.config import REPO_ROOT, load_config
+from clawflow.config import REPO_ROOT, ConfigError, load_config
 from clawflow.judge import JudgeInput, Judgment, RuleJudge, judge_many, majority, make_judge
 
 CONTEXT = [{"role": "user", "content": "Summarize the article in three sentences."}]
@@ -32,7 +33,7 @@ def test_approval_scores_plus_one():
     j = judge(user_reply("thanks, perfect"))
     assert j.score == 1 and j.votes == [1]
     assert j.hint is None
-    assert j.judge == "rules-v1" and "thanks" in j.rationale
+    assert j.judge == "rules" and j.judge_version == "v1" and "thanks" in j.rationale
 
 
 def test_correction_scores_minus_one_with_a_hint():
@@ -117,7 +118,31 @@ def test_judge_many_preserves_order_and_bounds_concurrency():
     assert asyncio.run(judge_many(RuleJudge(), [])) == []
 
 
-def test_make_judge_from_config():
+def with_judge(tmp_path, **judge):
+    """configs/test.yaml with a different `judge` section, loaded like any config file."""
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["judge"] = judge
+    path = tmp_path / "judge.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_config(path)
+
+
+def test_make_judge_from_config(tmp_path):
     cfg = load_config(REPO_ROOT / "configs" / "test.yaml")
     assert cfg.judge.backend == "rules"
     assert isinstance(make_judge(cfg), RuleJudge)
+    # auto: the embedded judge unless an endpoint is configured
+    assert load_config(REPO_ROOT / "configs" / "default.yaml").judge.resolved_backend == "embedded"
+    llm = with_judge(tmp_path, backend="auto", llm={"base_url": "http://127.0.0.1:9/v1"})
+    judge = make_judge(llm)
+    assert type(judge).__name__ == "LLMJudge" and judge.prompt_version == "prm_v1+hint_v1"
+    assert isinstance(make_judge(llm, "rules"), RuleJudge)
+    with pytest.raises(ValueError, match="unknown judge backend 'oracle'"):
+        make_judge(llm, "oracle")
+
+
+def test_judge_config_errors_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="judge: .*needs judge.llm.base_url"):
+        with_judge(tmp_path, backend="llm")
+    with pytest.raises(ConfigError, match="judge.votes"):
+        with_judge(tmp_path, votes=0)

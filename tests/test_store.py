@@ -289,4 +289,4 @@ def test_commit_consumed_is_exactly_once(catalog):
 def test_empty_shards_dir(tmp_path):
     cat = Catalog(tmp_path / "catalog.duckdb", tmp_path / "shards")
     assert cat.pending_pairs(limit=10) == []
-    assert cat.stats() == {"shards": 0, "turns": 0, "consumed": 0, "pending": 0, "last_run": None}
+    assert cat.stats() == {"shards": 0, "turns": 0, "consumed": 0, "claimed": 0, "pending": 0, "last_run": None}

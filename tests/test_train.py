@@ -1,5 +1,7 @@
-"""End to end: a real torchrun subprocess trains a tiny random Llama on two scored turns."""
+"""End to end: a real torchrun subprocess trains a tiny random Llama on two scored turns:
+it learns, N ranks under FSDP2 take the same steps as one process, an interrupted run resumes."""
 
+import json
 import time
 from pathlib import Path
 
@@ -76,12 +78,17 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def train(home: Path, base: Path, batch: Path, name: str, **train) -> tuple[Path, dict, float]:
+def train(home: Path, base: Path, batch: Path, name: str, stop_after: int = 0, **train) -> tuple[Path, dict, float]:
     cfg_path = write_config(home, lr=1e-2, epochs=2, micro_batch=2, **train)
     out = home / "ckpt" / name
     t0 = time.monotonic()
-    metrics = run_training(cfg_path, load_config(cfg_path), base, batch, out, timeout_s=300)
+    metrics = run_training(cfg_path, load_config(cfg_path), base, batch, out, timeout_s=300, parent_version=4,
+                           stop_after=stop_after)
     return out, metrics, time.monotonic() - t0
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +105,26 @@ def test_training_moves_logprobs_the_way_of_the_reward(base, batch, trained):
     rows = batch[1]
     out, metrics = trained
     assert metrics["steps"] == 2 and len(metrics["per_step"]) == 2
-    assert metrics["samples"] == 2  # the reward-0 row was skipped
+    assert metrics["samples"] == 3 and metrics["trainable"] == 2  # the reward-0 row has no term
     assert metrics["tokens"] == 2 * 12
-    assert metrics["per_step"][0]["clip_fraction"] == 0.0  # ratio 1 against the rollout
-    assert metrics["per_step"][0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
-    assert not out.with_name("v1.tmp").exists() and (out.parent / "v1.log").is_file()
+    first, second = metrics["per_step"]
+    assert first["clip_fraction"] == 0.0 and first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_old = pi
+    assert first["adv_rl_mean"] == 0.0 and first["opd_tokens"] == 0  # +1 and -1 over 6 tokens each
+    assert second["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # the step moved the policy
+    for key in ("grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "kl", "pg_loss", "lr"):
+        assert first[key] >= 0 and key in second
+    files = {f.name for f in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json",
+            "clawflow_meta.json", "train_metrics.json", "trainer_state"} <= files
+    meta = json.loads((out / "clawflow_meta.json").read_text())
+    assert meta["parent_version"] == 4 and meta["loss"]["last"] == second["loss"] and meta["objective"] == "combined"
+    assert (out / "trainer_state" / "optimizer.pt").is_file()
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:  # the tied head is stored once, in the model's dtype
+        assert "lm_head.weight" not in f.keys() and f.get_tensor("model.norm.weight").dtype == torch.float32
+    assert not out.with_name("v1.tmp").exists() and not out.with_name("v1.resume").exists()
+    assert (out.parent / "v1.log").is_file()
 
     before = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     after = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -116,16 +137,35 @@ def test_training_moves_logprobs_the_way_of_the_reward(base, batch, trained):
 
 
 def test_two_ranks_match_one_process(base, batch, trained, home):
-    """nproc=2 (one sample per rank, gradients all-reduced) takes the same steps as nproc=1."""
-    out, metrics, seconds = train(home, base, batch[0], "v2", nproc=2)
+    """torchrun --nproc_per_node=2: FSDP2 (fully_shard per layer, then the root, gloo), one sample
+    per rank, takes the same steps as one process on the whole batch. Activation checkpointing on
+    (it recomputes, it must not change the math)."""
+    out, metrics, seconds = train(home, base, batch[0], "v2", nproc=2, activation_checkpointing=True)
     print(f"run_training (nproc=2) took {seconds:.1f} s")
     assert metrics["world_size"] == 2 and metrics["steps"] == trained[1]["steps"]
     for a, b in zip(metrics["per_step"], trained[1]["per_step"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["n_tokens"] == b["n_tokens"]
-    one = AutoModelForCausalLM.from_pretrained(trained[0], dtype=torch.float32).state_dict()
-    two = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    one, two = weights(trained[0]), weights(out)
+    assert one.keys() == two.keys()
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst < 1e-4, worst
+
+
+def test_interrupted_run_resumes_to_the_same_weights(base, batch, trained, home):
+    with pytest.raises(TrainingError, match="exit") as err:
+        train(home, base, batch[0], "r", stop_after=1)
+    out = home / "ckpt" / "r"
+    assert err.value.resumable and not out.exists()
+    assert (out.with_name("r.resume") / "optimizer.pt").is_file()
+    out, metrics, _ = train(home, base, batch[0], "r")  # the same call again resumes at step 2
+    assert [r["step"] for r in metrics["per_step"]] == [1, 2]
+    assert "resuming at step 2" in (out.parent / "r.log").read_text()
+    assert metrics["per_step"][1]["loss"] == pytest.approx(trained[1]["per_step"][1]["loss"], abs=1e-6)
+    one, resumed = weights(trained[0]), weights(out)
+    worst = max((one[k] - resumed[k]).abs().max().item() for k in one)
+    assert worst < 1e-6, worst
+    assert not out.with_name("r.resume").exists()
 
 
 def test_missing_batch_file_raises_training_error(base, home):
@@ -137,11 +177,15 @@ def test_missing_batch_file_raises_training_error(base, home):
     assert "last lines of" in str(err.value)
 
 
-def test_batch_without_trainable_samples_exits_3(base, batch, home):
-    rows = [{**batch[1][0], "reward": 0.0}]
+def test_batch_without_trainable_samples_exits_3(base, batch, home, capsys):
+    """Input errors are caught before the process group starts: checked in-process (no torchrun)."""
+    from clawflow.train.recipe import main
+
+    rows = [{**batch[1][0], "reward": 0.0, "hint": None}]
     path = home / "zero.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     cfg_path = write_config(home)
-    with pytest.raises(TrainingError, match="no trainable samples") as err:
-        run_training(cfg_path, load_config(cfg_path), base, path, home / "ckpt" / "v3", 120)
-    assert "exitcode  : 3" in err.value.log_path.read_text()
+    code = main(["--config", str(cfg_path), "--base", str(base), "--batch", str(path), "--out", str(home / "v3")])
+    err = capsys.readouterr().err
+    assert code == 3 and "no trainable samples" in err and not (home / "v3").exists()
+    assert err.count("\n") == 1  # one line, no traceback

@@ -3,8 +3,8 @@
 Cheap and transparent, it catches the clear cases: thanks/praise (+1), corrections, "no",
 redo requests and error output (−1); anything else is 0. A tool result is progress unless it
 reports an error. It also lifts a hint from corrections that state what was wanted ("shorter",
-"in French", "use a list"), for OPD. The LLM judge (judge issue) replaces it where one is
-available.
+"in French", "use a list"), for OPD. Kept as the transparent baseline
+(`judge.backend: rules`); the embedded and LLM judges are more accurate.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ def _text(messages: list[dict]) -> str:
 
 
 class RuleJudge:
-    name = "rules-v1"
+    name = "rules"
+    version = "v1"
 
     async def __call__(self, item: JudgeInput) -> Judgment:
         text = _text(item.next_state)
         if item.next_role == "tool":
             vote = -1 if _TOOL_ERR.search(text) else 1
             why = "tool reported an error" if vote < 0 else "tool call succeeded"
-            return Judgment(vote, [vote], why, None, self.name)
+            return Judgment(vote, [vote], why, None, self.name, judge_version=self.version)
         neg, pos = _NEG.search(text), _POS.search(text)
         if neg and not (pos and pos.start() < neg.start()):
             vote, why = -1, f"correction cue {neg.group(0)!r}"
@@ -47,4 +48,4 @@ class RuleJudge:
         else:
             vote, why = 0, "no clear cue"
         hint = text.strip()[:300] if vote < 0 and _HINT.search(text) else None
-        return Judgment(majority([vote]), [vote], why, hint, self.name)
+        return Judgment(majority([vote]), [vote], why, hint, self.name, judge_version=self.version)

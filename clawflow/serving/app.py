@@ -1,7 +1,12 @@
-"""HTTP routes: auth, OpenAI error JSON, and the mapping from routes to the gateway."""
+"""HTTP routes: auth, OpenAI error JSON, and the mapping from routes to the gateway.
+
+`/internal/v1/chat/completions` is the same endpoint for internal callers (the judge): admin key
+only, and its turns are never recorded, so judge calls never become training data.
+"""
 
 from __future__ import annotations
 
+import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, Callable
@@ -12,9 +17,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from clawflow.serving.batcher import QueueFull
 from clawflow.serving.engine import ReloadError
 from clawflow.serving.gateway import BadRequest, Gateway, TurnContext
 from clawflow.serving.protocol import ChatCompletionRequest, error_body
+from clawflow.serving.limits import BodyLimitAndRequestIds
+from clawflow.store.metrics import STORE as STORE_METRICS
 
 log = logging.getLogger("clawflow.gateway")
 
@@ -37,22 +45,29 @@ def _bearer(authorization: str | None) -> str | None:
     return None
 
 
+def _key_ok(authorization: str | None, key: str) -> bool:
+    given = _bearer(authorization)
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())  # constant time
+
+
 def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.sealer.start()
         yield
         gw.sealer.stop()  # every acknowledged turn ends in a sealed shard on a clean stop
+        gw.engine.close()
 
     app = FastAPI(title="clawflow gateway", lifespan=lifespan)
     app.state.gateway = gw
+    app.add_middleware(BodyLimitAndRequestIds, max_bytes=gw.cfg.serving.max_body_bytes)
 
     def require_key(authorization: str | None = Header(None)) -> None:
-        if _bearer(authorization) != gw.cfg.serving.api_key:
+        if not _key_ok(authorization, gw.cfg.serving.api_key):
             raise HTTPException(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`).")
 
     def require_admin(authorization: str | None = Header(None)) -> None:
-        if _bearer(authorization) != gw.cfg.serving.admin_key:
+        if not _key_ok(authorization, gw.cfg.serving.admin_key):
             raise HTTPException(401, "Incorrect or missing admin key.")
 
     @app.exception_handler(HTTPException)
@@ -70,6 +85,12 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(400, str(exc))
 
+    @app.exception_handler(QueueFull)
+    async def _busy(_: Request, exc: QueueFull) -> JSONResponse:
+        resp = _error(429, f"{exc}; retry shortly", "rate_limit_error", "server_busy")
+        resp.headers["Retry-After"] = "1"
+        return resp
+
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "policy_version": gw.engine.policy_version}
@@ -81,18 +102,26 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             "policy_version": gw.engine.policy_version,
         }]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
-    async def chat(req: ChatCompletionRequest, x_session_id: str | None = Header(None),
-                   x_turn_type: str | None = Header(None), x_session_done: str | None = Header(None),
-                   x_clawflow_source: str | None = Header(None)):
+    async def _chat(req: ChatCompletionRequest, x_session_id: str | None, x_turn_type: str | None,
+                    x_session_done: str | None, x_clawflow_source: str | None, record: bool):
         if x_turn_type not in (None, "main", "side"):
             raise BadRequest("X-Turn-Type must be `main` or `side`")
         ctx = TurnContext(session_id=x_session_id, turn_type=x_turn_type or "main",
                           session_done=(x_session_done or "").lower() in ("1", "true", "yes"),
-                          source=x_clawflow_source or "live")
+                          source=x_clawflow_source or "live", record=record)
         if req.stream:
             return StreamingResponse(await gw.stream(req, ctx), media_type="text/event-stream")
         return await gw.complete(req, ctx)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat(req: ChatCompletionRequest, x_session_id: str | None = Header(None),
+                   x_turn_type: str | None = Header(None), x_session_done: str | None = Header(None),
+                   x_clawflow_source: str | None = Header(None)):
+        return await _chat(req, x_session_id, x_turn_type, x_session_done, x_clawflow_source, record=True)
+
+    @app.post("/internal/v1/chat/completions", dependencies=[Depends(require_admin)])
+    async def internal_chat(req: ChatCompletionRequest):
+        return await _chat(req, None, None, None, "internal", record=False)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -104,6 +133,11 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             f"clawflow_turns_recorded_total {c.turns_recorded}",
             f"clawflow_reloads_total {c.reloads}",
             f"clawflow_policy_version {gw.engine.policy_version}",
+            f"clawflow_unrecorded_requests_total {c.unrecorded}",
+            f"clawflow_queue_depth {gw.engine.queue_depth}",
+            f"clawflow_active_requests {gw.engine.active}",
+            *c.latency.prometheus("clawflow_request_latency_seconds"),
+            *STORE_METRICS.prometheus(),  # torn WAL records, quarantined shards, sealed turns
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
 

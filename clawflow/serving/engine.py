@@ -5,8 +5,10 @@ log-probabilities of them (log-softmax of the raw logits, i.e. temperature 1: th
 importance ratio needs, whatever temperature was used to sample). Hot reload loads the new weights
 into a fresh model object and swaps one reference: a request that started on version N keeps its
 model object and finishes on N, new requests get N+1, and a broken checkpoint never replaces the
-serving one. (Batching across requests comes with the serving issue; here requests run side by
-side in threads, bounded by the gateway's semaphore.)
+serving one. A LoRA adapter directory (`adapter_config.json`) is served on top of its base
+model's weights, loaded once and shared by every adapter version: a reload copies only the
+adapter. Decoding is continuous batching on one thread (clawflow/serving/batcher.py): requests
+join and leave between decode steps, one batch per policy version.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    top_logprobs: int = 0  # also return the k most likely tokens at each position
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Generation:
     text: str
     finish_reason: str  # stop | length | abort
     policy_version: int
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token id, logprob), per position
 
 
 @dataclass(frozen=True)
@@ -57,26 +61,52 @@ TokenCallback = Callable[[int, float, str], bool]
 
 
 class TorchEngine:
-    def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None):
+    def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
+                 max_batch: int = 32, max_queue: int = 64):
         from transformers import AutoTokenizer
 
         if threads:
             torch.set_num_threads(threads)
         self.dtype = getattr(torch, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
         self._policy = _Policy(self._load(model_path), version, str(model_path))
         self._reload_lock = threading.Lock()
         self.eos_ids = self._eos_ids()
+        from clawflow.serving.batcher import Batcher
+
+        self.batcher = Batcher(self, max_batch, max_queue)
 
     # -- weights ---------------------------------------------------------------------------
     def _load(self, path: str):
         from transformers import AutoModelForCausalLM
 
+        if (Path(path) / "adapter_config.json").is_file():
+            return self._load_adapter(path)
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, output_loading_info=True)
         if info.get("missing_keys"):  # transformers fills them with random weights: never serve that
             raise ValueError(f"checkpoint lacks weights {sorted(info['missing_keys'])[:3]}")
         model.eval()
         return model
+
+    def _load_adapter(self, path: str):
+        """Base weights shared with a cached base model (never modified) + this adapter, unmerged."""
+        import copy
+        import itertools
+        import json
+
+        from peft import PeftModel
+
+        base_dir = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        if base_dir not in self._bases:
+            served = getattr(self, "_policy", None)  # serving the base itself: share its weights
+            same = served is not None and Path(served.path).resolve() == Path(base_dir).resolve()
+            self._bases[base_dir] = served.model if same and not hasattr(served.model, "peft_config") \
+                else self._load(base_dir)
+        base = self._bases[base_dir]
+        shared = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
+        shell = copy.deepcopy(base, shared)  # new modules, the same weight tensors
+        return PeftModel.from_pretrained(shell, path).eval()
 
     @property
     def policy_version(self) -> int:
@@ -125,35 +155,25 @@ class TorchEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- decoding --------------------------------------------------------------------------
-    @torch.inference_mode()
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None):
+        """Queue a request for the decode loop; a `concurrent.futures.Future` of its `Generation`.
+        Raises `batcher.QueueFull` when the waiting queue is at its bound. `on_token` runs on the
+        decode thread: keep it cheap."""
+        return self.batcher.submit(prompt_ids, params, on_token)
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Generation:
-        policy = self._policy  # pinned for the whole request: a reload never changes it mid-reply
-        model = policy.model
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        out_ids: list[int] = []
-        logprobs: list[float] = []
-        text, finish = "", "length"
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(params.max_new_tokens):
-            logits = out.logits[0, -1].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            token = _sample(logits, params.temperature, params.top_p, gen)
-            out_ids.append(token)
-            logprobs.append(float(logp[token]))
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            text = self.decode(out_ids)
-            if cuts := [text.index(s) for s in params.stop if s in text]:
-                text, finish = text[: min(cuts)], "stop"  # the earliest stop string wins
-                break
-            if on_token is not None and not on_token(token, logprobs[-1], text):
-                finish = "abort"
-                break
-            out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
-        if finish == "stop" and out_ids and out_ids[-1] in self.eos_ids:
-            text = self.decode(out_ids)
-        return Generation(out_ids, logprobs, text, finish, policy.version)
+        return self.submit(prompt_ids, params, on_token).result()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return self.batcher.queue_depth
+
+    @property
+    def active(self) -> int:
+        return self.batcher.active
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
@@ -163,13 +183,3 @@ class TorchEngine:
         logp = torch.log_softmax(logits, dim=-1)
         return logp.gather(-1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
 
-
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))

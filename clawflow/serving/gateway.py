@@ -1,9 +1,14 @@
-"""Serving logic: one chat completion from request model to recorded turn. No HTTP here."""
+"""Serving logic: one chat completion from request model to recorded turn. No HTTP here.
+
+Requests go straight to the engine's continuous-batching queue (`engine.submit`, a future): the
+engine bounds how many decode at once and how many wait; a full queue raises `QueueFull` (HTTP
+429) before any byte of a reply is sent."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -27,6 +32,7 @@ class TurnContext:
     turn_type: str = "main"
     session_done: bool = False
     source: str = "live"
+    record: bool = True  # False: internal callers (the judge), never training data
 
 
 @dataclass
@@ -36,6 +42,31 @@ class Counters:
     prompt_tokens: int = 0
     turns_recorded: int = 0
     reloads: int = 0
+    unrecorded: int = 0
+    latency: "Histogram" = field(default_factory=lambda: Histogram())
+
+
+# seconds; end-to-end latency of one chat completion (all choices, recording included)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    total: int = 0
+    sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.total += 1
+        self.sum += seconds
+
+    def prometheus(self, name: str) -> list[str]:
+        lines = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(LATENCY_BUCKETS, self.counts)]
+        return [*lines, f'{name}_bucket{{le="+Inf"}} {self.total}', f"{name}_sum {self.sum:.6f}",
+                f"{name}_count {self.total}"]
 
 
 @dataclass
@@ -46,13 +77,6 @@ class Gateway:
     sealer: Sealer
     tracker: SessionTracker = field(default_factory=SessionTracker)
     counters: Counters = field(default_factory=Counters)
-    _slots: asyncio.Semaphore | None = None
-
-    @property
-    def slots(self) -> asyncio.Semaphore:
-        if self._slots is None:  # created lazily inside the server's event loop
-            self._slots = asyncio.Semaphore(self.cfg.serving.max_concurrency)
-        return self._slots
 
     # -- shared steps ----------------------------------------------------------------------
     def prepare(self, req: ChatCompletionRequest) -> tuple[list[dict], list[int], SamplingParams]:
@@ -68,7 +92,8 @@ class Gateway:
                 f"This model's maximum context length is {limit} tokens; the messages use "
                 f"{len(prompt_ids)} and max_tokens asks for {max_new}."
             )
-        params = SamplingParams(max_new, req.temperature, req.top_p, req.seed, req.stop_list())
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        params = SamplingParams(max_new, req.temperature, req.top_p, req.seed, req.stop_list(), top)
         return messages, prompt_ids, params
 
     def reply_message(self, gen: Generation, req: ChatCompletionRequest) -> tuple[dict[str, Any], str]:
@@ -82,6 +107,9 @@ class Gateway:
 
     async def record(self, ctx: TurnContext, req: ChatCompletionRequest, messages: list[dict],
                      prompt_ids: list[int], gen: Generation, reply: dict, finish: str, group_id: str | None) -> None:
+        if not ctx.record:
+            self.counters.unrecorded += 1
+            return
         session_id = self.tracker.resolve(messages, ctx.session_id)
         turn_index, new_messages = split_new_messages(messages)
         rec = TurnRecord(
@@ -96,23 +124,33 @@ class Gateway:
                                                      "tool_calls": reply.get("tool_calls")})
         self.counters.turns_recorded += 1
 
+    def logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> dict:
+        text = self.engine.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                "top_logprobs": [self.logprob_entry(t, lp) for t, lp in top or []] if top is not None else []}
+
     def logprobs_block(self, gen: Generation) -> dict[str, Any]:
-        tok = self.engine.tokenizer
-        return {"content": [
-            {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode([t]).encode()), "top_logprobs": []}
-            for t, lp in zip(gen.token_ids, gen.logprobs)
-        ]}
+        tops = gen.top_logprobs or [[] for _ in gen.token_ids]
+        return {"content": [self.logprob_entry(t, lp, top) for t, lp, top in zip(gen.token_ids, gen.logprobs, tops)]}
 
     # -- non-streaming ---------------------------------------------------------------------
     async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> dict[str, Any]:
         messages, prompt_ids, params = self.prepare(req)
+        t0 = time.perf_counter()
+        futures = []
+        try:
+            for i in range(req.n):  # all n choices decode side by side in the batch
+                p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                futures.append(self.engine.submit(prompt_ids, p))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
         self.counters.requests += 1
         group_id = completion_id() if req.n > 1 else None
         choices, completion_tokens = [], 0
-        for i in range(req.n):
-            p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            async with self.slots:
-                gen = await asyncio.to_thread(self.engine.generate, prompt_ids, p)
+        for i, fut in enumerate(futures):
+            gen = await asyncio.wrap_future(fut)
             reply, finish = self.reply_message(gen, req)
             await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, group_id)
             completion_tokens += len(gen.token_ids)
@@ -120,6 +158,7 @@ class Gateway:
                       "logprobs": self.logprobs_block(gen) if req.logprobs else None}
             choices.append(choice)
         self._count(len(prompt_ids), completion_tokens)
+        self.counters.latency.observe(time.perf_counter() - t0)
         return {
             "id": completion_id(), "object": "chat.completion", "created": now(),
             "model": self.cfg.model.name, "choices": choices,
@@ -135,14 +174,21 @@ class Gateway:
     # -- streaming -------------------------------------------------------------------------
     async def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> AsyncIterator[str]:
         messages, prompt_ids, params = self.prepare(req)  # raises before the first byte is sent
-        self.counters.requests += 1
-        return self._stream(req, ctx, messages, prompt_ids, params)
-
-    async def _stream(self, req, ctx, messages, prompt_ids, params) -> AsyncIterator[str]:
-        cid, created, model = completion_id(), now(), self.cfg.model.name
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        cancelled = False
+        live = {"cancelled": False}
+
+        def on_token(token: int, logprob: float, text: str) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, (token, logprob, text))
+            return not live["cancelled"]
+
+        fut = self.engine.submit(prompt_ids, params, on_token)  # QueueFull → 429, still before any byte
+        self.counters.requests += 1
+        return self._stream(req, ctx, messages, prompt_ids, params, fut, queue, live)
+
+    async def _stream(self, req, ctx, messages, prompt_ids, params, fut, queue, live) -> AsyncIterator[str]:
+        cid, created, model = completion_id(), now(), self.cfg.model.name
+        t0 = time.perf_counter()
         sent = ""
         pending_lp: list[dict] = []  # logprobs of tokens whose text is not sent yet
 
@@ -151,30 +197,25 @@ class Gateway:
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def on_token(token: int, logprob: float, text: str) -> bool:
-            loop.call_soon_threadsafe(queue.put_nowait, (token, logprob, text))
-            return not cancelled
-
         try:
             yield chunk({"role": "assistant", "content": ""})
-            async with self.slots:
-                task = asyncio.ensure_future(asyncio.to_thread(self.engine.generate, prompt_ids, params, on_token))
-                while not task.done() or not queue.empty():
-                    try:
-                        token, logprob, text = await asyncio.wait_for(queue.get(), timeout=0.05)
-                    except TimeoutError:
-                        continue
-                    if req.tools:
-                        continue
-                    if req.logprobs:
-                        pending_lp.append({"token": self.engine.tokenizer.decode([token]),
-                                           "logprob": logprob, "top_logprobs": []})
-                    safe = _streamable(text, params.stop)
-                    if safe.startswith(sent) and len(safe) > len(sent):
-                        extra = {"logprobs": {"content": pending_lp}} if req.logprobs else {}
-                        yield chunk({"content": safe[len(sent):]}, **extra)
-                        sent, pending_lp = safe, []
-                gen = await task
+            task = asyncio.wrap_future(fut)
+            while not task.done() or not queue.empty():
+                try:
+                    token, logprob, text = await asyncio.wait_for(queue.get(), timeout=0.05)
+                except TimeoutError:
+                    continue
+                if req.tools:
+                    continue
+                if req.logprobs:
+                    pending_lp.append({"token": self.engine.tokenizer.decode([token]),
+                                       "logprob": logprob, "top_logprobs": []})
+                safe = _streamable(text, params.stop)
+                if safe.startswith(sent) and len(safe) > len(sent):
+                    extra = {"logprobs": {"content": pending_lp}} if req.logprobs else {}
+                    yield chunk({"content": safe[len(sent):]}, **extra)
+                    sent, pending_lp = safe, []
+            gen = await task
             reply, finish = self.reply_message(gen, req)
             if req.tools and reply.get("content"):
                 yield chunk({"content": reply["content"]})
@@ -185,6 +226,7 @@ class Gateway:
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]})
             await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, None)
             self._count(len(prompt_ids), len(gen.token_ids))
+            self.counters.latency.observe(time.perf_counter() - t0)
             yield chunk({}, finish)
             if req.stream_options and req.stream_options.include_usage:
                 usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.token_ids),
@@ -192,7 +234,8 @@ class Gateway:
                 yield f"data: {json.dumps({'id': cid, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            cancelled = True  # a client that disconnects mid-stream stops its decode loop
+            live["cancelled"] = True  # a client that disconnects mid-stream leaves the batch at the next step
+            fut.cancel()  # or, still queued, is never admitted
 
 
 def _streamable(text: str, stops: list[str]) -> str:

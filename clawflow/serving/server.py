@@ -39,7 +39,14 @@ def build_app(cfg: Config):
     from clawflow.store.sealer import open_store
 
     version, path = initial_policy(cfg)
-    engine = TorchEngine(path, version=version, dtype=cfg.model.dtype, threads=cfg.serving.threads)
+    s = cfg.serving
+    if s.engine == "sglang":  # SGLang serves the weights at `path` itself (launched with them)
+        from clawflow.serving.sglang import SGLangEngine
+
+        engine = SGLangEngine(s.sglang_url, path, version=version, max_batch=s.max_concurrency, max_queue=s.max_queue)
+    else:
+        engine = TorchEngine(path, version=version, dtype=cfg.model.dtype, threads=s.threads,
+                             max_batch=s.max_concurrency, max_queue=s.max_queue)
     writer, sealer = open_store(cfg.home, cfg.store)
     gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
     log.info("serving %s v%s from %s", cfg.model.name, version, path)

@@ -1,61 +1,75 @@
-"""The catalog: DuckDB over the Parquet shards, plus a record of what each training run consumed.
+"""The catalog: DuckDB over the Parquet shards, plus which turns each training run consumed.
 
-Shards are read in place (`read_parquet` over a glob); the only state DuckDB keeps is which turns
-were consumed by which run, written in one transaction with the run row, so a retried run
-commits nothing twice and a turn trains once. A connection lives for one call only: other
-processes (the gateway, a training flow) need the file lock in between.
+One DuckDB file, written by one process at a time (the training flow, or a maintenance command):
+`shards` (every shard validated and registered: rows, bytes, time range, schema version),
+`turn_keys` (the small columns of every registered turn: ids, times, versions, token counts,
+its shard), `claims` (the batch a run is training on) and `consumed`/`runs` (what each
+registered version trained on). Batch selection, pairing and stats run on `turn_keys`, so they
+do not rescan every shard; full rows are read from the few shards that hold the chosen turns,
+each schema version through its upgrade projection, so old shards stay readable. A shard is
+registered (and its keys loaded) only after `inspect_shard` read it fully; a bad one goes to
+quarantine and is never read.
+
+Exactly-once: `select_batch` claims its turns under the run's id (a retry of that run gets the
+same batch back; other runs skip claimed turns) and `commit_consumed` turns the claim into
+consumption in one transaction, called once the version is registered. A connection lives for
+one call: other processes need the file lock in between.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow.compute as pc
+
+from clawflow.store import journal, queries
+from clawflow.store.locks import store_lock
+from clawflow.store.record import sql_columns
+from clawflow.store.shards import CorruptShard, FutureShard, inspect_shard, quarantine, shard_files
+
+log = logging.getLogger("clawflow.store.catalog")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS consumed (
     turn_id VARCHAR PRIMARY KEY, run_id VARCHAR, policy_version BIGINT, consumed_at TIMESTAMPTZ);
 CREATE TABLE IF NOT EXISTS runs (
     run_id VARCHAR PRIMARY KEY, policy_version BIGINT, turns INTEGER, finished_at TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS shards (
+    path VARCHAR PRIMARY KEY, rows BIGINT, bytes BIGINT, first_at TIMESTAMPTZ, last_at TIMESTAMPTZ,
+    schema_version INTEGER, mtime DOUBLE, registered_at TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS claims (turn_id VARCHAR PRIMARY KEY, claim_id VARCHAR, claimed_at TIMESTAMPTZ);
+CREATE TABLE IF NOT EXISTS turn_keys (
+    turn_id VARCHAR, session_id VARCHAR, turn_index INTEGER, turn_type VARCHAR, created_at TIMESTAMPTZ,
+    policy_version BIGINT, session_done BOOLEAN, tokens INTEGER, path VARCHAR);
 """
-
-# Main turns not yet consumed, each with the first-created turn at index + 1 of its session.
-_PAIRS = """
-WITH t AS (SELECT * FROM read_parquet($glob, union_by_name = true, hive_partitioning = false)),
-nxt AS (
-    SELECT session_id, turn_index, new_messages,
-           row_number() OVER (PARTITION BY session_id, turn_index ORDER BY created_at, turn_id) AS rn
-    FROM t WHERE turn_type = 'main')  -- side traffic (evaluation, memory calls) is no one's next state
-SELECT a.*, b.new_messages AS next_state
-FROM t AS a
-JOIN nxt AS b ON b.session_id = a.session_id AND b.turn_index = a.turn_index + 1 AND b.rn = 1
-WHERE a.turn_type = 'main'
-  AND NOT EXISTS (SELECT 1 FROM consumed AS c WHERE c.turn_id = a.turn_id)
-"""
-
-
-def _first_role(next_state: str | None) -> str | None:
-    try:
-        messages = json.loads(next_state) if next_state else None
-        return messages[0].get("role") if messages else None
-    except (ValueError, AttributeError, TypeError, KeyError):
-        return None
+_KEY_COLUMNS = ("turn_id", "session_id", "turn_index", "turn_type", "created_at", "policy_version", "session_done")
 
 
 class Catalog:
-    def __init__(self, db_path: Path, shards_dir: Path, lock_timeout_s: float = 30.0):
+    def __init__(self, db_path: Path, shards_dir: Path, lock_timeout_s: float = 30.0, *,
+                 home: Path | None = None, claim_ttl_s: float = 8 * 3600):
         self.db_path = Path(db_path)
         self.shards_dir = Path(shards_dir)
+        self.home = Path(home) if home is not None else self.shards_dir.parent
         self.lock_timeout_s = lock_timeout_s
+        self.claim_ttl_s = claim_ttl_s
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as con:
             con.execute(_SCHEMA).fetchall()
 
+    @classmethod
+    def for_config(cls, cfg) -> "Catalog":
+        return cls(cfg.home / "catalog.duckdb", cfg.home / "shards", home=cfg.home, claim_ttl_s=cfg.store.claim_ttl_s)
+
+    # -- connections and shard registration ------------------------------------------------
     @contextmanager
     def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A short-lived connection; waits while another process holds the file lock."""
@@ -74,33 +88,159 @@ class Catalog:
         finally:
             con.close()
 
-    def _glob(self) -> str | None:
-        """The shards glob, or None when there are no shards (DuckDB errors on an empty glob)."""
-        if not any(self.shards_dir.rglob("*.parquet")):
-            return None
-        return str(self.shards_dir / "**" / "*.parquet")
-
-    def pending_pairs(self, limit: int) -> list[dict[str, Any]]:
-        """Unconsumed main turns with their next state (`next_state`, `next_role`), oldest first."""
-        glob = self._glob()
-        if glob is None or limit <= 0:
-            return []
-        sql = _PAIRS + " ORDER BY a.created_at, a.turn_id LIMIT $limit"
+    @contextmanager
+    def connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A connection on a catalog whose `shards` table matches the files on disk."""
         with self._connect() as con:
-            cur = con.execute(sql, {"glob": glob, "limit": limit})
-            rows = cur.fetchall()
-            names = [d[0] for d in cur.description]
-        pairs = [dict(zip(names, row)) for row in rows]
-        for pair in pairs:
-            pair["next_role"] = _first_role(pair["next_state"])
+            self._sync(con)
+            yield con
+
+    def sync(self) -> dict[str, int]:
+        """Register new shards (quarantining bad ones), forget vanished ones; the counts."""
+        with self._connect() as con:
+            return self._sync(con)
+
+    def _sync(self, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+        counts = {"registered": 0, "quarantined": 0, "removed": 0}
+        with store_lock(self.home):
+            journal.recover(self.home)
+            known = {p: (m, b) for p, m, b in con.execute("SELECT path, mtime, bytes FROM shards").fetchall()}
+            on_disk = {}
+            for path in shard_files(self.shards_dir):
+                with suppress(FileNotFoundError):
+                    st = path.stat()
+                    on_disk[self.rel(path)] = (path, st.st_mtime, st.st_size)
+            gone = sorted(known.keys() - on_disk.keys())
+            if gone:
+                log.warning("%d shards disappeared from disk; unregistered: %s", len(gone), gone[:5])
+                self.unregister(con, gone)
+                counts["removed"] += len(gone)
+            for rel, (path, mtime, size) in sorted(on_disk.items()):
+                if known.get(rel) == (mtime, size):
+                    continue
+                try:
+                    self.register(con, path)
+                except FutureShard as exc:
+                    log.warning("skipping %s", exc)
+                    continue
+                except CorruptShard as exc:
+                    quarantine(path, self.home, str(exc))
+                    self.unregister(con, [rel])
+                    counts["quarantined"] += 1
+                    continue
+                counts["registered"] += 1
+        return counts
+
+    def register(self, con: duckdb.DuckDBPyConnection, path: Path) -> None:
+        """Validate the shard at `path` (CorruptShard, FutureShard) and (re)load its keys."""
+        info, table = inspect_shard(path)
+        rel = self.rel(path)
+        keys = table.select(list(_KEY_COLUMNS)).append_column(
+            "tokens", pc.add(table["prompt_tokens"], table["response_tokens"]))
+        con.execute("BEGIN TRANSACTION").fetchall()
+        try:
+            con.execute("DELETE FROM turn_keys WHERE path = $p", {"p": rel}).fetchall()
+            con.register("_new_keys", keys)
+            con.execute("INSERT INTO turn_keys SELECT *, $p FROM _new_keys", {"p": rel}).fetchall()
+            con.unregister("_new_keys")
+            con.execute(
+                "INSERT OR REPLACE INTO shards VALUES ($p, $rows, $bytes, $first, $last, $v, $mtime, now())",
+                {"p": rel, "rows": info.rows, "bytes": info.bytes, "first": info.first_at, "last": info.last_at,
+                 "v": info.schema_version, "mtime": info.mtime},
+            ).fetchall()
+            con.execute("COMMIT").fetchall()
+        except BaseException:
+            with suppress(duckdb.Error):
+                con.execute("ROLLBACK").fetchall()
+            raise
+
+    def unregister(self, con: duckdb.DuckDBPyConnection, rels: list[str]) -> None:
+        con.execute("DELETE FROM turn_keys WHERE list_contains($p, path)", {"p": rels}).fetchall()
+        con.execute("DELETE FROM shards WHERE list_contains($p, path)", {"p": rels}).fetchall()
+
+    def rel(self, path: Path | str) -> str:
+        return str(Path(path).relative_to(self.shards_dir))
+
+    def turns_from(self, con: duckdb.DuckDBPyConnection, only: list[str] | None = None
+                   ) -> tuple[str, dict[str, Any]] | None:
+        """A FROM item reading full rows of registered shards (all, or the relative paths `only`)
+        in the current schema, and its parameters; None when there is nothing to read."""
+        rows = con.execute("SELECT path, schema_version FROM shards ORDER BY path").fetchall()
+        wanted = set(only) if only is not None else None
+        by_version: dict[int, list[str]] = defaultdict(list)
+        for rel, version in rows:
+            if wanted is None or rel in wanted:
+                by_version[version].append(str(self.shards_dir / rel))
+        if not by_version:
+            return None
+        parts = [f"SELECT {sql_columns(v)} FROM read_parquet($files_v{v})" for v in sorted(by_version)]
+        params = {f"files_v{v}": files for v, files in by_version.items()}
+        return "(" + " UNION ALL BY NAME ".join(parts) + ")", params
+
+    # -- queries (see queries.py) ------------------------------------------------------------
+    def pending_pairs(self, limit: int) -> list[dict[str, Any]]:
+        """Unconsumed, unclaimed main turns with their next state (`next_state`, `next_role`), oldest first."""
+        if limit <= 0:
+            return []
+        with self.connect() as con:
+            return queries.batch(self, con, max_turns=limit)
+
+    def select_batch(self, claim_id: str, max_turns: int, max_tokens: int | None = None,
+                     current_version: int | None = None, max_staleness: int | None = None) -> list[dict[str, Any]]:
+        """The training batch of run `claim_id`: oldest pending pairs first, at most `max_turns`
+        and `max_tokens` (prompt + response; the first pair always fits), skipping turns more than
+        `max_staleness` policy versions behind `current_version`. Claimed for `claim_id`; a retry
+        with the same id returns the same batch while it is not committed or released."""
+        with self.connect() as con:
+            con.execute("BEGIN TRANSACTION").fetchall()
+            try:
+                con.execute("DELETE FROM claims WHERE claim_id <> $me AND claimed_at < now() - to_seconds($ttl)",
+                            {"me": claim_id, "ttl": float(self.claim_ttl_s)}).fetchall()
+                mine = [r[0] for r in con.execute("SELECT turn_id FROM claims WHERE claim_id = $me",
+                                                  {"me": claim_id}).fetchall()]
+                if mine:
+                    pairs = queries.batch(self, con, max_turns=len(mine), only_ids=mine)
+                else:
+                    pairs = queries.batch(self, con, max_turns=max_turns, max_tokens=max_tokens,
+                                          current_version=current_version, max_staleness=max_staleness)
+                    con.execute("INSERT INTO claims SELECT id, $me, now() FROM unnest($ids::VARCHAR[]) AS u(id)",
+                                {"me": claim_id, "ids": [p["turn_id"] for p in pairs]}).fetchall()
+                con.execute("COMMIT").fetchall()
+            except BaseException:
+                with suppress(duckdb.Error):
+                    con.execute("ROLLBACK").fetchall()
+                raise
         return pairs
 
+    def release(self, claim_id: str) -> int:
+        """Give back a batch that will not be committed (the run gave up); how many turns."""
+        with self._connect() as con:
+            return con.execute("DELETE FROM claims WHERE claim_id = $me RETURNING turn_id",
+                               {"me": claim_id}).fetchall().__len__()
+
+    def closed_without_next_state(self, idle_s: float = 3600.0, now: datetime | None = None) -> list[dict[str, Any]]:
+        """Unconsumed main turns that ended their session (X-Session-Done, or idle for `idle_s`)
+        with no next state: judged on the outcome (env_reward) alone, if at all."""
+        with self.connect() as con:
+            return queries.closed_without_next_state(self, con, idle_s, now or datetime.now(UTC))
+
+    def version_stats(self, judge: str | None = None) -> list[dict[str, Any]]:
+        """Per policy version: turns, main turns, judged, mean reward (latest judgment), consumed."""
+        with self.connect() as con:
+            return queries.version_stats(self, con, judge)
+
+    # -- consumption -------------------------------------------------------------------------
     def commit_consumed(self, turn_ids: list[str], run_id: str, policy_version: int) -> int:
-        """Record `turn_ids` as consumed by `run_id` (one transaction); how many were new."""
+        """Record `turn_ids` as consumed by `run_id` and drop their claims (one transaction); how many were new."""
         ids = list(dict.fromkeys(turn_ids))
         with self._connect() as con:
             con.execute("BEGIN TRANSACTION").fetchall()
             try:
+                theirs = con.execute(
+                    "SELECT count(*) FROM consumed WHERE run_id <> $run AND list_contains($ids, turn_id)",
+                    {"run": run_id, "ids": ids}).fetchall()[0][0]
+                if theirs:
+                    log.warning("%d of run %s's turns were already consumed by another run", theirs, run_id)
                 before = con.execute("SELECT count(*) FROM consumed").fetchall()[0][0]
                 con.execute(
                     "INSERT INTO consumed SELECT id, $run, $pv, now() FROM unnest($ids::VARCHAR[]) AS u(id) "
@@ -108,6 +248,7 @@ class Catalog:
                     {"ids": ids, "run": run_id, "pv": policy_version},
                 ).fetchall()
                 new = con.execute("SELECT count(*) FROM consumed").fetchall()[0][0] - before
+                con.execute("DELETE FROM claims WHERE list_contains($ids, turn_id)", {"ids": ids}).fetchall()
                 con.execute(
                     "INSERT INTO runs VALUES ($run, $pv, $n, now()) "
                     "ON CONFLICT (run_id) DO UPDATE SET turns = runs.turns + excluded.turns",
@@ -121,24 +262,6 @@ class Catalog:
         return new
 
     def stats(self) -> dict[str, Any]:
-        """Counts for dashboards and the CLI: shards, turns, consumed, pending pairs, last run."""
-        glob = self._glob()
-        with self._connect() as con:
-            consumed = con.execute("SELECT count(*) FROM consumed").fetchall()[0][0]
-            cur = con.execute("SELECT * FROM runs ORDER BY finished_at DESC LIMIT 1")
-            last = cur.fetchall()
-            last_run = dict(zip([d[0] for d in cur.description], last[0])) if last else None
-            turns = pending = 0
-            if glob is not None:
-                turns = con.execute(
-                    "SELECT count(*) FROM read_parquet($glob, union_by_name = true, hive_partitioning = false)",
-                    {"glob": glob},
-                ).fetchall()[0][0]
-                pending = con.execute(f"SELECT count(*) FROM ({_PAIRS})", {"glob": glob}).fetchall()[0][0]
-        return {
-            "shards": len(list(self.shards_dir.rglob("*.parquet"))),
-            "turns": turns,
-            "consumed": consumed,
-            "pending": pending,
-            "last_run": last_run,
-        }
+        """Counts for dashboards and the CLI: shards, turns, consumed, claimed, pending pairs, last run."""
+        with self.connect() as con:
+            return queries.stats(self, con)

@@ -4,23 +4,27 @@ A shard is named after its segment (`shards/date=YYYY-MM-DD/<segment id>.parquet
 taken from the segment's name), so sealing the same segment twice (a crash between writing the
 shard and deleting the segment) overwrites the same file: no duplicate turns. Shards are written
 to a temp name, fsynced and renamed; only then is the segment deleted and
-`clawflow.shard.sealed` emitted, which triggers training.
+`clawflow.shard.sealed` emitted, which triggers training. Turns of forgotten sessions are
+dropped here (see tombstones.py). Each pass holds the store lock, so `forget` and compaction
+never race a shard being sealed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from clawflow.config import StoreConfig
 from clawflow.events import SHARD_SEALED, emit
+from clawflow.store import journal
+from clawflow.store.locks import store_lock
+from clawflow.store.metrics import STORE
 from clawflow.store.record import rows_to_table
+from clawflow.store.shards import write_shard
+from clawflow.store.tombstones import forgotten, load_tombstones
 from clawflow.store.wal import (
     CLOSED_SUFFIX,
     SegmentWriter,
@@ -51,69 +55,79 @@ def _segment_date(segment: Path, fallback: datetime) -> str:
         return fallback.strftime("%Y-%m-%d")
 
 
-def seal_segment(segment: Path, shards_dir: Path) -> SealedShard | None:
+def announce_shard(shard: SealedShard) -> None:
+    """Emit `clawflow.shard.sealed` (a log line when Prefect is unreachable)."""
+    emit(SHARD_SEALED, f"clawflow.shard.{shard.shard_id}", {
+        "shard_id": shard.shard_id, "path": str(shard.path), "rows": shard.rows,
+        "first_at": shard.first_at.isoformat(), "last_at": shard.last_at.isoformat(), "torn": shard.torn,
+    })
+
+
+def seal_segment(segment: Path, shards_dir: Path, *, row_group_rows: int = 122_880,
+                 tombstones: dict[str, datetime] | None = None, announce: bool = True) -> SealedShard | None:
     """Write `segment` as a Parquet shard, delete it, emit the event; None if it held no turns."""
     segment = Path(segment)
     records, torn = read_segment(segment)
-    if not records:
-        log.warning("segment %s has no valid records (%d skipped); deleted", segment.name, torn)
+    if torn:
+        STORE.add(wal_records_skipped=torn)
+    kept = [r for r in records if not forgotten(tombstones or {}, r.session_id, r.created_at)]
+    if len(kept) < len(records):
+        STORE.add(turns_forgotten_at_seal=len(records) - len(kept))
+        log.info("dropped %d turns of forgotten sessions from %s", len(records) - len(kept), segment.name)
+    if not kept:
+        log.warning("segment %s has no turns to seal (%d skipped); deleted", segment.name, torn)
         segment.unlink(missing_ok=True)
         fsync_dir(segment.parent)
         return None
 
     shard_id = segment.name.removesuffix(CLOSED_SUFFIX)
-    first_at = min(r.created_at for r in records)
-    last_at = max(r.created_at for r in records)
-    out_dir = Path(shards_dir) / f"date={_segment_date(segment, first_at)}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{shard_id}.parquet"
-    tmp = path.with_name(path.name + ".tmp")
-
-    table = rows_to_table([r.to_row() for r in records])  # carries the schema_version metadata
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(out_dir)
+    first_at = min(r.created_at for r in kept)
+    last_at = max(r.created_at for r in kept)
+    path = Path(shards_dir) / f"date={_segment_date(segment, first_at)}" / f"{shard_id}.parquet"
+    write_shard(rows_to_table([r.to_row() for r in kept]), path, row_group_rows)  # carries schema_version
 
     segment.unlink(missing_ok=True)
     fsync_dir(segment.parent)
+    STORE.add(shards_sealed=1, turns_sealed=len(kept))
 
-    shard = SealedShard(shard_id, path, len(records), first_at, last_at, torn)
-    emit(
-        SHARD_SEALED,
-        f"clawflow.shard.{shard_id}",
-        {
-            "shard_id": shard_id,
-            "path": str(path),
-            "rows": shard.rows,
-            "first_at": first_at.isoformat(),
-            "last_at": last_at.isoformat(),
-            "torn": torn,
-        },
-    )
+    shard = SealedShard(shard_id, path, len(kept), first_at, last_at, torn)
+    if announce:
+        announce_shard(shard)
     return shard
 
 
-def _seal_closed(wal_dir: Path, shards_dir: Path) -> list[SealedShard]:
+def seal_closed(wal_dir: Path, shards_dir: Path, home: Path | None = None,
+                row_group_rows: int = 122_880, announce: bool = True) -> list[SealedShard]:
     """Seal every closed segment, oldest first; a failing one is logged and left for next time."""
+    home = Path(home) if home is not None else Path(shards_dir).parent
     sealed = []
-    for segment in closed_segments(wal_dir):
-        try:
-            if shard := seal_segment(segment, shards_dir):
-                sealed.append(shard)
-        except Exception:  # noqa: BLE001 - the segment stays on disk and is retried
-            log.exception("sealing %s failed; will retry", segment.name)
+    segments = closed_segments(wal_dir)
+    if not segments:
+        return sealed
+    with store_lock(home):
+        tombstones = load_tombstones(home)
+        for segment in segments:
+            try:
+                if shard := seal_segment(segment, shards_dir, row_group_rows=row_group_rows,
+                                         tombstones=tombstones, announce=False):
+                    sealed.append(shard)
+            except Exception:  # noqa: BLE001 - the segment stays on disk and is retried
+                log.exception("sealing %s failed; will retry", segment.name)
+    for shard in sealed if announce else []:  # outside the lock: emitting may wait on the network
+        announce_shard(shard)
     return sealed
 
 
 class Sealer:
     """Background thread that rotates aged segments and seals closed ones every `interval_s`."""
 
-    def __init__(self, writer: SegmentWriter, shards_dir: Path, interval_s: float):
+    def __init__(self, writer: SegmentWriter, shards_dir: Path, interval_s: float, *,
+                 home: Path | None = None, row_group_rows: int = 122_880):
         self.writer = writer
         self.shards_dir = Path(shards_dir)
+        self.home = Path(home) if home is not None else self.shards_dir.parent
         self.interval_s = interval_s
+        self.row_group_rows = row_group_rows
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -129,7 +143,7 @@ class Sealer:
         """Rotate the active segment and seal every closed one now."""
         with self._lock:
             self.writer.rotate()
-            return _seal_closed(self.writer.root, self.shards_dir)
+            return self._seal()
 
     def stop(self) -> list[SealedShard]:
         """Stop the thread, then seal everything (every acknowledged turn ends up in a shard)."""
@@ -145,7 +159,10 @@ class Sealer:
             w = self.writer
             if w.active_turns() > 0 and w.active_age_s() >= w.max_age_s:
                 w.rotate()
-            return _seal_closed(w.root, self.shards_dir)
+            return self._seal()
+
+    def _seal(self) -> list[SealedShard]:
+        return seal_closed(self.writer.root, self.shards_dir, self.home, self.row_group_rows)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -157,15 +174,25 @@ class Sealer:
 
 def open_store(home: Path, store_cfg: StoreConfig) -> tuple[SegmentWriter, Sealer]:
     """Recover and seal what a previous process left, then build the writer and (unstarted) sealer."""
-    wal_dir, shards_dir = Path(home) / "wal", Path(home) / "shards"
-    recover_open_segments(wal_dir)
-    recovered = _seal_closed(wal_dir, shards_dir)
+    home = Path(home)
+    wal_dir, shards_dir = home / "wal", home / "shards"
+    with store_lock(home):
+        journal.recover(home)  # an interrupted compaction, temp files of an interrupted seal
+        recover_open_segments(wal_dir)
+        recovered = seal_closed(wal_dir, shards_dir, home, store_cfg.row_group_rows, announce=False)
     if recovered:
         log.info("sealed %d leftover segment(s), %d turns", len(recovered), sum(s.rows for s in recovered))
+        # announced off the startup path: emitting imports Prefect (seconds); the catalog, not the
+        # event, is the record of what is pending, so an event lost to another crash loses no turn
+        threading.Thread(target=lambda: [announce_shard(s) for s in recovered], name="clawflow-announce",
+                         daemon=True).start()
     writer = SegmentWriter(
         wal_dir,
-        fsync=store_cfg.fsync == "always",
+        fsync=store_cfg.fsync,
         max_bytes=store_cfg.segment_max_bytes,
         max_age_s=store_cfg.segment_max_age_s,
+        max_turns=store_cfg.segment_max_turns,
+        group_commit_ms=store_cfg.group_commit_ms,
     )
-    return writer, Sealer(writer, shards_dir, store_cfg.seal_interval_s)
+    return writer, Sealer(writer, shards_dir, store_cfg.seal_interval_s, home=home,
+                          row_group_rows=store_cfg.row_group_rows)

@@ -1,10 +1,16 @@
 """Write-ahead segments: the durable landing place of every turn before it reaches Parquet.
 
-A turn is one JSON line appended (one `write` call) to the active segment and flushed (and
-fsynced when configured) before the gateway completes the response. Segments are named
-`<UTC timestamp>-<id>.open.jsonl` while written and renamed to `.jsonl` when closed; the
-sealer turns closed segments into Parquet shards. After a crash, `recover_open_segments`
-closes what was left, and `read_segment` skips (and reports) a torn last line.
+A turn is one JSON line appended (one `write` call, under one lock, so concurrent appends never
+interleave) to the active segment before the gateway completes the response. Durability policy:
+`always` fsyncs each line before `append` returns; `group` makes each `append` wait for a shared
+fsync that a flusher thread issues at most once per `group_commit_ms` (group commit: many turns,
+one fsync, every reply still waits until its turn is on disk); `never` leaves it to the page
+cache (survives a process crash, not a power loss).
+
+Segments are named `<UTC timestamp>-<id>.open.jsonl` while written and renamed to `.jsonl` when
+closed (by size, turn count or age); the sealer turns closed segments into Parquet shards. After
+a crash, `recover_open_segments` closes what was left, and `read_segment` skips (and reports) a
+torn last line.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from clawflow.store.record import TurnRecord
 
@@ -25,6 +31,7 @@ log = logging.getLogger("clawflow.store.wal")
 
 OPEN_SUFFIX = ".open.jsonl"
 CLOSED_SUFFIX = ".jsonl"
+FsyncPolicy = Literal["always", "group", "never"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -39,24 +46,39 @@ def fsync_dir(path: Path) -> None:
 class SegmentWriter:
     """Appends turn records to the active segment; thread-safe, one lock."""
 
-    def __init__(self, root: Path, fsync: bool = True, max_bytes: int = 8 << 20, max_age_s: float = 60.0):
+    def __init__(self, root: Path, fsync: FsyncPolicy | bool = "always", max_bytes: int = 8 << 20,
+                 max_age_s: float = 60.0, max_turns: int = 10_000, group_commit_ms: float = 5.0):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.fsync = fsync
+        self.policy: FsyncPolicy = {True: "always", False: "never"}.get(fsync, fsync)  # type: ignore[arg-type]
+        if self.policy not in ("always", "group", "never"):
+            raise ValueError(f"unknown fsync policy {fsync!r}")
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
+        self.max_turns = max_turns
+        self.group_commit_s = group_commit_ms / 1000
         self._lock = threading.Lock()
+        self._synced_cv = threading.Condition(self._lock)
         self._file: BinaryIO | None = None
         self._path: Path | None = None
         self._opened_at = 0.0  # time.monotonic() of the active segment's creation
         self._bytes = 0
         self._turns = 0
+        self._written = 0  # records written since start (all segments)
+        self._synced = 0  # records known to be on disk
+        self._sync_error: OSError | None = None
+        self._flusher: threading.Thread | None = None
+
+    @property
+    def fsync(self) -> bool:
+        return self.policy == "always"
 
     def append(self, record: TurnRecord) -> None:
-        """Durably append one record (flushed, and fsynced if configured) before returning."""
+        """Durably append one record (per the fsync policy) before returning."""
         data = (record.to_json() + "\n").encode()
         with self._lock:
-            if self._file is not None and (self._bytes >= self.max_bytes or self._age() >= self.max_age_s):
+            if self._file is not None and (self._bytes >= self.max_bytes or self._turns >= self.max_turns
+                                           or self._age() >= self.max_age_s):
                 self._close_active()
             if self._file is None:
                 self._open_new()
@@ -67,6 +89,16 @@ class SegmentWriter:
                 raise
             self._bytes += len(data)
             self._turns += 1
+            self._written += 1
+            if self.policy != "group":
+                return
+            seq = self._written
+            self._start_flusher()
+            self._synced_cv.notify_all()
+            while self._synced < seq:
+                if self._sync_error is not None:
+                    raise OSError(f"group commit fsync failed: {self._sync_error}")
+                self._synced_cv.wait()
 
     def rotate(self) -> Path | None:
         """Close the active segment; its closed path, or None when there was none (or it was empty)."""
@@ -92,8 +124,8 @@ class SegmentWriter:
         self._path = self.root / f"{stamp}-{uuid.uuid4().hex[:8]}{OPEN_SUFFIX}"
         # buffering=0: each write() is a single system call, so lines never interleave or split
         self._file = open(self._path, "xb", buffering=0)  # noqa: SIM115 - closed in _close_active
-        if self.fsync:
-            fsync_dir(self.root)
+        if self.policy != "never":
+            fsync_dir(self.root)  # the new name must survive a crash too
         self._opened_at = time.monotonic()
         self._bytes = self._turns = 0
 
@@ -102,9 +134,46 @@ class SegmentWriter:
         view = memoryview(data)
         while view:  # unbuffered file: one write(2) per record (more only if the OS writes short)
             view = view[self._file.write(view) :]
-        if self.fsync:
+        if self.policy == "always":
             os.fsync(self._file.fileno())
 
+    # -- group commit ----------------------------------------------------------------------
+    def _start_flusher(self) -> None:
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flush_loop, name="clawflow-wal-fsync", daemon=True)
+            self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        last = 0.0
+        with self._lock:
+            while True:
+                while self._synced >= self._written:
+                    self._synced_cv.wait()
+                delay = last + self.group_commit_s - time.monotonic()
+                if delay > 0:  # at most one fsync per window; appends keep arriving meanwhile
+                    self._synced_cv.wait(delay)
+                    continue
+                target, fd = self._written, os.dup(self._file.fileno()) if self._file else None
+                self._lock.release()
+                try:
+                    last = time.monotonic()
+                    if fd is None:  # only after a failed close: its records may not be on disk
+                        raise OSError("segment closed without a successful fsync")
+                    os.fsync(fd)
+                    error = None
+                except OSError as exc:
+                    log.exception("group commit fsync failed")
+                    error = exc
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+                    self._lock.acquire()
+                self._sync_error = error
+                if error is None:
+                    self._synced = max(self._synced, target)
+                self._synced_cv.notify_all()
+
+    # -- closing ---------------------------------------------------------------------------
     def _abandon_active(self) -> None:
         try:
             self._turns += 1  # keep the segment (its earlier records are acknowledged)
@@ -125,6 +194,8 @@ class SegmentWriter:
             os.fsync(f.fileno())
         finally:
             f.close()
+        self._synced = self._written  # that fsync covered every record of the segment
+        self._synced_cv.notify_all()
         closed = path.with_name(path.name[: -len(OPEN_SUFFIX)] + CLOSED_SUFFIX)
         os.replace(path, closed)
         fsync_dir(self.root)

@@ -2,7 +2,8 @@
 
 The recipe always runs in its own processes (never in the caller's), so a laptop run and a
 multi-GPU run are the same command; only `train.nproc` changes. Output goes to
-`<out.parent>/<out.name>.log`.
+`<out.parent>/<out.name>.log`. An interrupted run leaves `<out>.resume/`; calling `run_training`
+again with the same `out` resumes it (that is what a Prefect task retry does).
 """
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ LOG_TAIL_LINES = 30
 class TrainingError(RuntimeError):
     """A training run that failed: a one-line reason, then the tail of its log."""
 
-    def __init__(self, reason: str, log_path: Path, returncode: int | None):
-        self.reason, self.log_path, self.returncode = reason, log_path, returncode
+    def __init__(self, reason: str, log_path: Path, returncode: int | None, resumable: bool = False):
+        self.reason, self.log_path, self.returncode, self.resumable = reason, log_path, returncode, resumable
         super().__init__(f"{reason}\n--- last lines of {log_path} ---\n{_tail(log_path)}")
 
 
-def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, out: Path) -> list[str]:
-    return [
+def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, out: Path,
+                     parent_version: int = 0, frozen_base: str | None = None, stop_after: int = 0) -> list[str]:
+    cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={cfg.train.nproc}",
         "-m", "clawflow.train.recipe",
         "--config", str(config_path), "--base", str(base), "--batch", str(batch), "--out", str(out),
+        "--parent-version", str(parent_version), "--stop-after", str(stop_after),
     ]  # fmt: skip
+    return cmd + (["--frozen-base", str(frozen_base)] if frozen_base else [])
 
 
 def run_training(
@@ -44,11 +48,16 @@ def run_training(
     batch: Path,
     out: Path,
     timeout_s: float | None = None,
+    parent_version: int = 0,
+    frozen_base: str | Path | None = None,
+    stop_after: int = 0,
 ) -> dict:
-    """Train `base` on the samples in `batch`, writing a checkpoint directory at `out`.
+    """Train `base` (registry version `parent_version`) on the samples in `batch`, writing a
+    checkpoint directory at `out`. `frozen_base` is the OPD teacher / KL reference when the config
+    asks for the frozen base; `stop_after` stops resumably after that many steps (tests, time boxes).
 
     Returns the parsed `out/train_metrics.json`; raises `TrainingError` on a non-zero exit or
-    a timeout (the whole process group is stopped).
+    a timeout (the whole process group is stopped); `.resumable` tells whether a rerun resumes.
     """
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -56,8 +65,8 @@ def run_training(
     env = dict(os.environ)
     pkg_root = str(Path(clawflow.__file__).resolve().parents[1])  # importable in the children
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    cmd = torchrun_command(Path(config_path).resolve(), cfg, Path(base).resolve(),
-                           Path(batch).resolve(), out)
+    cmd = torchrun_command(Path(config_path).resolve(), cfg, Path(base).resolve(), Path(batch).resolve(), out,
+                           parent_version, _model_ref(frozen_base), stop_after)
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -67,10 +76,21 @@ def run_training(
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _stop(proc)
-            raise TrainingError(f"training timed out after {timeout_s:g} s", log_path, None)
+            raise TrainingError(f"training timed out after {timeout_s:g} s", log_path, None, _resumable(out))
     if rc != 0:
-        raise TrainingError(f"training failed (exit {rc}): {_reason(log_path)}", log_path, rc)
+        raise TrainingError(f"training failed (exit {rc}): {_reason(log_path)}", log_path, rc, _resumable(out))
     return json.loads((out / "train_metrics.json").read_text())
+
+
+def _model_ref(ref: str | Path | None) -> str | None:
+    """A local directory made absolute (the workers may run elsewhere), a hub id kept as it is."""
+    if ref is None:
+        return None
+    return str(Path(ref).resolve()) if Path(ref).is_dir() else str(ref)
+
+
+def _resumable(out: Path) -> bool:
+    return (out.with_name(out.name + ".resume") / "state.json").is_file()
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -1,78 +1,119 @@
 """Policy losses as pure functions of tensors (no model, no config, no I/O).
 
-Binary RL (GRPO/PPO-style, as in OpenClaw-RL):
-    A_t       = r  for every response token t of a turn, r in {+1, -1}  (no critic, no baseline)
-    ratio_t   = exp(log pi(a_t) - log pi_old(a_t))
-    loss_t    = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
-    w_t       = min(exp(log pi_old(a_t) - log pi_rollout(a_t)), tis_cap)   (optional, detached)
-    loss      = mean over sequences with >= 1 token of ( token-mean of w_t * loss_t )
+Per token t of a trained sequence (advantages A_t come from `advantages.py`):
+    ratio_t = exp(log pi(a_t) - log pi_old(a_t))
+    pg_t    = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)      PPO clip
+    pg_t    = min(pg_t, -dual_clip * A_t)   where A_t < 0                             dual clip
+    w_t     = min(exp(log pi_old(a_t) - log pi_rollout(a_t)), tis_cap)   (detached)   TIS
+    kl_t    = exp(ref_t - lp_t) - (ref_t - lp_t) - 1                                  k3 KL to base
+    loss_t  = s_b * w_t * pg_t + beta * kl_t          s_b = per-sequence (staleness) weight
 
-Simplifications chosen: no KL term (beta = 0), no group normalization of A yet, asymmetric clip
-("clip-higher", eps_high > eps_low). When pi_old is the recorded rollout policy, as in clawflow
-today, the TIS weight is 1 and can be left off.
+Aggregation is a choice made once from config (`AGGREGATIONS`): "seq_mean" takes the token mean
+of each sequence, then the mean over sequences that have tokens (OpenClaw-RL, GRPO); "token_mean"
+divides the sum over all tokens by their count (DAPO: long replies weigh more). Both return a
+(numerator, denominator) pair so a step split over micro-batches and ranks divides by the global
+denominator and equals the loss of one process on the whole batch.
 
-Shapes: B = sequences, T = token positions (targets), V = vocabulary.
+Simplifications chosen: no value function, clip-higher (eps_high > eps_low), beta = 0 by default
+(then the reference model is never run), the ratio's pi_old is the policy at the start of the
+run (recorded rollout logprobs only enter through the TIS weight).
+
+Shapes: B = sequences, T = target positions, V = vocabulary.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 
-def binary_rl_advantages(rewards: Tensor, mask: Tensor) -> Tensor:
-    """A[b, t] = rewards[b] where mask[b, t], else 0.  rewards: [B], mask: [B, T] -> [B, T]."""
-    return rewards.to(torch.float32)[:, None] * mask.to(torch.float32)  # [B, T]
-
-
-def ppo_clip_loss(
+def ppo_clip_per_token(
     logprobs: Tensor,  # [B, T] log pi(a_t), carries the gradient
     old_logprobs: Tensor,  # [B, T] log pi_old(a_t)
     advantages: Tensor,  # [B, T]
     mask: Tensor,  # [B, T] 1 on trained tokens
     eps_low: float = 0.2,
     eps_high: float = 0.28,
-    rollout_logprobs: Tensor | None = None,  # [B, T] log pi_rollout(a_t), for TIS
-    tis_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss (see module docstring), token-mean per sequence, mean over sequences.
-
-    Returns the scalar loss and metrics as python floats: `clip_fraction` (share of tokens whose
-    gradient the clip removed), `ratio_mean`, `n_tokens`, `n_seqs` (sequences with >= 1 token).
-    """
+    dual_clip: float | None = None,  # c > 1, bounds the loss of negative-advantage tokens
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Clipped surrogate per token (module docstring). Returns (pg [B, T] zero off-mask,
+    ratio [B, T] detached, clipped [B, T] bool: tokens whose gradient a clip removed)."""
     m = mask.to(torch.bool)
-    mf = m.to(logprobs.dtype)
-    old = old_logprobs.detach()
-    log_ratio = torch.where(m, logprobs - old, torch.zeros_like(logprobs))  # [B, T], 0 off-mask
+    log_ratio = torch.where(m, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)  # [B, T]
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if dual_clip is not None:
+        pg3 = -advantages * dual_clip
+        dual = (advantages < 0) & (pg3 < pg)
+        pg = torch.where(dual, pg3, pg)
+        clipped = clipped | dual
+    pg = torch.where(m, pg, torch.zeros_like(pg))
+    return pg, ratio.detach(), clipped & m
+
+
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float | None) -> Tensor:
+    """Truncated importance weight min(pi_old / pi_rollout, cap), detached, 1 off-mask.  [B, T]."""
+    m = mask.to(torch.bool)
+    d = torch.where(m, old_logprobs.detach() - rollout_logprobs.detach(), torch.zeros_like(old_logprobs))
+    w = torch.exp(d)
+    return w.clamp(max=cap) if cap is not None else w
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per sampled token, >= 0, zero off-mask.  [B, T]."""
+    d = torch.where(mask.to(torch.bool), ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))
+    return torch.exp(d) - d - 1.0
+
+
+def seq_mean(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+    """(sum over sequences of their token means, number of sequences with >= 1 token)."""
+    mf = mask.to(per_token.dtype)
+    n = mf.sum(dim=-1)  # [B]
+    num = ((per_token * mf).sum(dim=-1) / n.clamp(min=1)).sum()
+    return num, float((n > 0).sum())
+
+
+def token_mean(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+    """(sum over all tokens, number of tokens)."""
+    mf = mask.to(per_token.dtype)
+    return (per_token * mf).sum(), float(mf.sum())
+
+
+Aggregation = Callable[[Tensor, Tensor], tuple[Tensor, float]]
+AGGREGATIONS: dict[str, Aggregation] = {"seq_mean": seq_mean, "token_mean": token_mean}
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+    dual_clip: float | None = None,
+    aggregate: Aggregation = seq_mean,
+) -> tuple[Tensor, dict[str, float]]:
+    """The whole clipped objective on one batch: PPO clip, optional TIS, aggregated to a mean.
+
+    Returns the scalar loss (a zero with a graph when no token is trained) and float metrics:
+    clip_fraction, ratio_mean, n_tokens, n_seqs.
+    """
+    pg, ratio, clipped = ppo_clip_per_token(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip)
     if rollout_logprobs is not None:
-        w = torch.exp(torch.where(m, old - rollout_logprobs.detach(), torch.zeros_like(old)))
-        if tis_cap is not None:
-            w = torch.clamp(w, max=tis_cap)
-        per_token = per_token * w.detach()
-
-    n_tok = mf.sum(dim=-1)  # [B]
-    has_tok = n_tok > 0
-    per_seq = (per_token * mf).sum(dim=-1) / n_tok.clamp(min=1)  # [B]
-    n_seqs = int(has_tok.sum())
-    if n_seqs:
-        loss = per_seq[has_tok].mean()
-    else:
-        loss = (logprobs * 0.0).sum()  # keeps the graph, zero gradient
-
-    with torch.no_grad():
-        total = max(int(m.sum()), 1)
-        cut = (clipped < unclipped) & m  # min() took the constant clipped branch: no gradient
-        metrics = {
-            "clip_fraction": float(cut.sum()) / total,
-            "ratio_mean": float((ratio * mf).sum()) / total,
-            "n_tokens": float(m.sum()),
-            "n_seqs": float(n_seqs),
-        }
-    return loss, metrics
+        pg = pg * tis_weights(old_logprobs, rollout_logprobs, mask, tis_cap)
+    num, den = aggregate(pg, mask)
+    loss = num / den if den else (logprobs * 0.0).sum()
+    mf = mask.to(torch.float32)
+    total = max(float(mf.sum()), 1.0)
+    return loss, {"clip_fraction": float(clipped.sum()) / total, "ratio_mean": float((ratio * mf).sum()) / total,
+                  "n_tokens": float(mf.sum()), "n_seqs": float((mf.sum(-1) > 0).sum())}
 
 
 def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 1024) -> Tensor:

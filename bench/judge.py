@@ -1,0 +1,79 @@
+"""Judge accuracy and per-turn latency on the shipped labelled set, side by side against the
+`rules` baseline (the lexical judge), in one run.
+
+Accuracy is on the held-out `test` split (fixed by item id before any tuning; the embedded head
+never saw it). Latency is one turn at a time (what a flow pays per turn), after a warm-up, at the
+torch thread counts given; the model load is reported separately.
+
+    .venv/bin/python bench/judge.py                # embedded vs rules, 1 and 2 torch threads
+    .venv/bin/python bench/judge.py --repeat 3     # more latency samples
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from clawflow.config import REPO_ROOT, JudgeConfig
+from clawflow.judge import RuleJudge
+from clawflow.judge.dataset import load_labelled
+from clawflow.judge.evaluate import evaluate
+
+LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
+
+
+def latencies(judge, items, repeat: int) -> tuple[list[float], list[float]]:
+    """Per-turn wall and CPU milliseconds. On a shared machine wall time includes waiting for a
+    core; at one torch thread, CPU time is what the turn costs on a quiet one."""
+    asyncio.run(judge(items[0].input))  # warm-up
+    wall, cpu = [], []
+    for _ in range(repeat):
+        for item in items:
+            w, c = time.perf_counter(), time.process_time()
+            asyncio.run(judge(item.input))
+            wall.append(1000 * (time.perf_counter() - w))
+            cpu.append(1000 * (time.process_time() - c))
+    return wall, cpu
+
+
+def row(name: str, report, ms: tuple[list[float], list[float]], baseline_ms: float | None) -> str:
+    wall, cpu = ms
+    med, p90, cpu_med = statistics.median(wall), statistics.quantiles(wall, n=10)[-1], statistics.median(cpu)
+    ratio = f"{med / baseline_ms:8.0f}x" if baseline_ms else "     1.0x"
+    return (f"{name:<22} {report.accuracy:>8.3f} {report.correct:>4}/{report.n:<4} {med:>9.1f} {p90:>9.1f} "
+            f"{cpu_med:>9.1f} {ratio}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = ap.parse_args()
+    test = load_labelled(LABELLED, "test")
+    print(f"held-out split: {len(test)} of {len(load_labelled(LABELLED))} items "
+          f"({sum(i.input.next_role == 'tool' for i in test)} tool results); torch {torch.__version__}")
+    print(f"{'judge':<22} {'accuracy':>8} {'correct':>9} {'ms median':>9} {'ms p90':>9} {'cpu ms':>9} {'vs rules':>9}")
+    rules = RuleJudge()
+    base_ms = latencies(rules, test, args.repeat)
+    print(row("rules (baseline)", evaluate(rules, test), base_ms, None))
+    base = statistics.median(base_ms[0])
+
+    from clawflow.judge.embedded import EmbeddedJudge
+
+    start = time.perf_counter()
+    embedded = EmbeddedJudge(JudgeConfig())
+    load_s = time.perf_counter() - start
+    for threads in args.threads:
+        embedded.encoder.threads = threads  # judge.embedded.threads (default 1)
+        ms = latencies(embedded, test, args.repeat)
+        print(row(f"embedded ({threads} thread{'s' if threads > 1 else ''})", evaluate(embedded, test), ms, base))
+    print(f"embedded judge load (MiniLM + head): {load_s:.1f} s; load average now "
+          f"{' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())} on {__import__('os').cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

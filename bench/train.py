@@ -1,0 +1,204 @@
+"""One training step on SmolLM2-135M: clawflow's recipe vs TRL's GRPOTrainer vs a plain HF step.
+
+Same model, same batch (2 prompts x 4 completions, 64 prompt + 192 completion tokens, rewards
++1/-1 normalized per group), fp32 on CPU, side by side in one run. Each contender does one
+warm-up step and then `--steps` timed optimizer steps; the median is reported.
+
+- clawflow: `clawflow.train.recipe.Recipe` itself (1-rank process group, its own step loop:
+  forward with logits only at completion positions, PPO-clip loss, backward, grad clip, AdamW).
+- TRL: `GRPOTrainer.compute_loss` on prepared inputs (the loss its `training_step` uses after
+  generation), `accelerator.backward`, its own AdamW `optimizer.step()`; loss_type "grpo",
+  epsilon 0.2 / 0.28, beta 0.
+- HF: `model(input_ids).logits` over every position, log-softmax, token-mean PG loss, backward,
+  torch AdamW: the plainest baseline.
+
+MFU = model FLOPs of the step (clawflow.train.flops: 6N per token, attention, LM head at the
+positions each contender computes) / step time / the measured fp32 matmul peak. Both are given
+twice: by wall clock, and by this process's CPU time (all threads; the peak measured the same
+way, and the rate scaled back by the thread count), which stays honest when other work shares
+the cores: on a busy machine compare the CPU-time columns.
+
+    CLAWFLOW_HOME=/work/main/.clawflow .venv/bin/python bench/train.py [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+from clawflow.config import REPO_ROOT, load_config
+from clawflow.models import base_model_dir
+from clawflow.train.flops import matmul_peak_flops, param_counts, train_flops
+
+N_PROMPTS, GROUP, PROMPT_LEN, COMPLETION_LEN = 2, 4, 64, 192
+
+
+def make_batch(vocab: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(100, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(N_PROMPTS)]
+    rows = []
+    for p, prompt in enumerate(prompts):
+        for k in range(GROUP):
+            completion = torch.randint(100, vocab, (COMPLETION_LEN,), generator=g).tolist()
+            rows.append({"prompt": prompt, "completion": completion, "reward": 1.0 if k % 2 == 0 else -1.0, "group": p})
+    return {"rows": rows}
+
+
+def group_advantages(rows: list[dict]) -> torch.Tensor:
+    r = torch.tensor([row["reward"] for row in rows]).view(N_PROMPTS, GROUP)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
+
+
+def flops_of(model, tokens: int, context: float, logit_tokens: int) -> float:
+    c = model.config
+    return train_flops(param_counts(model), c.num_hidden_layers, c.hidden_size, c.vocab_size, tokens, context,
+                       logit_tokens)
+
+
+# -- contenders ------------------------------------------------------------------------------------
+Timing = list[tuple[float, float]]  # (wall seconds, CPU seconds) per timed step
+
+
+def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from clawflow.train.batch import load_samples
+    from clawflow.train.plan import prepare_items
+    from clawflow.train.objective import Objective
+    from clawflow.train.recipe import Recipe
+
+    rows = [{"prompt_token_ids": r["prompt"], "response_token_ids": r["completion"],
+             "response_logprobs": [0.0] * COMPLETION_LEN, "reward": r["reward"], "group_id": f"g{r['group']}"}
+            for r in batch["rows"]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "samples.parquet")
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
+    raw["train"] = {"lr": 1e-6, "epochs": steps + 1, "micro_batch": len(rows), "objective": "rl",
+                    "tis_cap": None, "resume_every": 0, "keep_optimizer": False}
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(tmp / "cfg.yaml").train
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    samples = load_samples(tmp / "samples.parquet")
+    items, counts = prepare_items(cfg, Objective.from_config(cfg), samples, None, 0)
+    args = Namespace(base=Path(model_dir), out=tmp / "out", parent_version=0, frozen_base=None, stop_after=0)
+    recipe = Recipe(cfg, args, items, counts, [])
+    recipe.setup()
+    recipe.prepass()
+    recipe.train()
+    seconds = [(r["seconds"], r["cpu_seconds"]) for r in recipe.history[1:]]
+    recipe.cleanup()
+    del recipe
+    return seconds
+
+
+def bench_trl(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    args = GRPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=N_PROMPTS * GROUP,
+                      num_generations=GROUP, learning_rate=1e-6, beta=0.0, loss_type="grpo", epsilon=0.2,
+                      epsilon_high=0.28, use_cpu=True, bf16=False, report_to=[], max_grad_norm=1.0,
+                      max_completion_length=COMPLETION_LEN, logging_steps=1000)
+    data = Dataset.from_list([{"prompt": "hi"}] * (N_PROMPTS * GROUP))
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          train_dataset=data, processing_class=tok)
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's own loop, which we bypass
+    rows = batch["rows"]
+    inputs = {"prompt_ids": torch.tensor([r["prompt"] for r in rows]),
+              "prompt_mask": torch.ones(len(rows), PROMPT_LEN, dtype=torch.long),
+              "completion_ids": torch.tensor([r["completion"] for r in rows]),
+              "completion_mask": torch.ones(len(rows), COMPLETION_LEN, dtype=torch.long),
+              "advantages": group_advantages(rows), "num_items_in_batch": torch.tensor(len(rows) * COMPLETION_LEN)}
+    model.train()
+    seconds = []
+    for _ in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = trainer.compute_loss(model, inputs)
+        trainer.accelerator.backward(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        seconds.append((time.perf_counter() - t0, time.process_time() - c0))
+    return seconds[1:]
+
+
+def bench_hf(model_dir: str, batch: dict, steps: int) -> Timing:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rows = batch["rows"]
+    ids = torch.tensor([r["prompt"] + r["completion"] for r in rows])
+    adv = group_advantages(rows)[:, None]
+    seconds = []
+    for _ in range(steps + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1 : -1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, PROMPT_LEN:, None]).squeeze(-1)
+        loss = -(torch.exp(lp - lp.detach()) * adv).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seconds.append((time.perf_counter() - t0, time.process_time() - c0))
+    return seconds[1:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per contender (after one warm-up)")
+    p.add_argument("--only", choices=["clawflow", "trl", "hf"], action="append")
+    args = p.parse_args()
+    model_dir = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = make_batch(ref.config.vocab_size)
+    B, L = N_PROMPTS * GROUP, PROMPT_LEN + COMPLETION_LEN
+    tokens = B * L
+    logit_tokens = {"clawflow": B * (COMPLETION_LEN + 1), "trl": B * COMPLETION_LEN, "hf": B * L}
+    flops = {k: flops_of(ref, tokens, L, n) for k, n in logit_tokens.items()}
+    del ref
+    threads = torch.get_num_threads()
+    peak = max(matmul_peak_flops("cpu", torch.float32, n, seconds=2.0) for n in (1024, 2048))
+    peak_cpu = max(matmul_peak_flops("cpu", torch.float32, n, 2.0, time.process_time) for n in (1024, 2048))
+    print(f"model {model_dir}, batch {B} x ({PROMPT_LEN} + {COMPLETION_LEN}) = {tokens} tokens, {threads} threads, "
+          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s wall, {peak_cpu * threads / 1e9:.1f} by CPU time", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name in args.only or ["clawflow", "trl", "hf"]:
+            tmp = Path(d) / name
+            tmp.mkdir()
+            fn = {"clawflow": lambda: bench_clawflow(model_dir, batch, args.steps, tmp),
+                  "trl": lambda: bench_trl(model_dir, batch, args.steps, tmp),
+                  "hf": lambda: bench_hf(model_dir, batch, args.steps)}[name]
+            timing = fn()
+            results[name] = (statistics.median(w for w, _ in timing), statistics.median(c for _, c in timing))
+            print(f"  {name:9s} steps (wall s / cpu s) " + ", ".join(f"{w:.2f}/{c:.2f}" for w, c in timing), flush=True)
+    print(f"\n{'contender':10s} {'wall s':>7s} {'tok/s':>7s} {'MFU':>6s} {'vs TRL':>7s} | "
+          f"{'cpu s':>7s} {'tok/s*':>7s} {'MFU*':>6s} {'vs TRL*':>7s}   (* by CPU time)")
+    for name, (wall, cpu) in results.items():
+        vs = f"{results['trl'][0] / wall:6.2f}x" if "trl" in results else "-"
+        vs_cpu = f"{results['trl'][1] / cpu:6.2f}x" if "trl" in results else "-"
+        print(f"{name:10s} {wall:7.2f} {tokens / wall:7.1f} {flops[name] / wall / peak:6.1%} {vs:>7s} | "
+              f"{cpu:7.2f} {tokens * threads / cpu:7.1f} {flops[name] / cpu / peak_cpu:6.1%} {vs_cpu:>7s}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""`clawflow` command line: up, down, status, serve.
+
+Training runs through Prefect (`prefect deployment run train-on-new-feedback/train-on-new-feedback`)
+or in-process with `python -m flows.train_on_new_feedback`; the library never imports flows.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from clawflow.config import ConfigError, load_config
+
+app = typer.Typer(help="Continual learning for chat agents: record, judge, train, register, hot-reload.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+console = Console()
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config (default: $CLAWFLOW_CONFIG or configs/default.yaml)")
+
+
+def _cfg(config: Optional[Path]):
+    try:
+        return load_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)  # one line, path verbatim
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(config: Optional[Path] = ConfigOpt, port: Optional[int] = typer.Option(None, help="override serving.port"),
+          host: Optional[str] = typer.Option(None, help="override serving.host")) -> None:
+    """Run the gateway alone in the foreground (stops cleanly on SIGTERM / Ctrl-C)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from clawflow.serving.server import serve as run
+
+    run(_cfg(config), host=host, port=port)
+
+
+@app.command()
+def up(config: Optional[Path] = ConfigOpt) -> None:
+    """Start Prefect, MLflow, the worker, the deployments and the gateway in the background."""
+    from clawflow import stack
+
+    cfg = _cfg(config)
+    try:
+        stack.up(cfg, echo=console.print)
+    except (RuntimeError, TimeoutError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print("stack is up; stop it with [bold]clawflow down[/bold] (or make down)")
+
+
+@app.command()
+def down(config: Optional[Path] = ConfigOpt) -> None:
+    """Stop everything `up` started (the gateway seals its pending turns first)."""
+    from clawflow import stack
+
+    stack.down(_cfg(config), echo=console.print)
+
+
+@app.command()
+def status(config: Optional[Path] = ConfigOpt) -> None:
+    """Served version, shards and turns pending, last training."""
+    import httpx
+
+    from clawflow.store.catalog import Catalog
+
+    cfg = _cfg(config)
+    table = Table(show_header=False)
+    try:
+        r = httpx.get(f"{cfg.gateway_url}/admin/policy", timeout=3,
+                      headers={"Authorization": f"Bearer {cfg.serving.admin_key}"})
+        served = f"v{r.json()['version']} ({r.json()['path']})" if r.status_code == 200 else f"HTTP {r.status_code}"
+    except httpx.HTTPError:
+        served = "gateway not running"
+    table.add_row("gateway", cfg.gateway_url)
+    table.add_row("served policy", served)
+    try:
+        stats = Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards").stats()
+        table.add_row("shards", str(stats["shards"]))
+        table.add_row("turns (consumed)", f"{stats['turns']} ({stats['consumed']})")
+        table.add_row("turns pending training", str(stats["pending"]))
+        last = stats.get("last_run")
+        table.add_row("last training", f"{last['run_id']} → v{last['policy_version']} at {last['finished_at']}"
+                      if last else "none yet")
+    except Exception as exc:  # e.g. the catalog is locked by a running training
+        table.add_row("catalog", f"unavailable: {exc.__class__.__name__}: {str(exc)[:120]}")
+    console.print(table)
+
+
+@app.command()
+def export(out: Path = typer.Argument(..., help="file to write (.parquet or .jsonl)"),
+           session: Optional[list[str]] = typer.Option(None, "--session", "-s", help="a session id (repeatable)"),
+           all_sessions: bool = typer.Option(False, "--all", help="every session"),
+           fmt: Optional[str] = typer.Option(None, "--format", help="parquet | jsonl (default: from the suffix)"),
+           config: Optional[Path] = ConfigOpt) -> None:
+    """Export the sealed turns of chosen sessions (DuckDB, pandas and polars read the Parquet)."""
+    import duckdb
+
+    from clawflow.store.catalog import Catalog
+    from clawflow.store.privacy import export_sessions
+
+    cfg = _cfg(config)
+    if not session and not all_sessions:
+        console.print("[red]error:[/red] name sessions with --session ID (repeatable) or pass --all")
+        raise typer.Exit(2)
+    try:
+        n = export_sessions(Catalog.for_config(cfg), out, None if all_sessions else session, fmt)
+    except (ValueError, OSError, duckdb.Error) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2 if isinstance(exc, ValueError) else 1) from None
+    console.print(f"exported {n} turns to {escape(str(out))}", soft_wrap=True)
+
+
+@app.command()
+def forget(session: str = typer.Argument(..., help="the session id to remove"),
+           yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
+           config: Optional[Path] = ConfigOpt) -> None:
+    """Remove a session's turns everywhere: shards, WAL, catalog, judgments, training samples."""
+    import duckdb
+
+    from clawflow.store.catalog import Catalog
+    from clawflow.store.privacy import forget_session
+
+    cfg = _cfg(config)
+    if not yes and not typer.confirm(f"Permanently remove every turn of session {session!r}?"):
+        raise typer.Exit(1)
+    try:
+        r = forget_session(Catalog.for_config(cfg), session)
+    except (OSError, duckdb.Error) as exc:  # e.g. the catalog stayed locked by a running training
+        console.print(f"[red]error:[/red] {escape(f'{exc.__class__.__name__}: {exc}')}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(f"forgot session: {r.turns} turns from {r.shards} shards, {r.wal_records} unsealed turns, "
+                  f"{r.judgments} judgments, {r.samples} training samples, {r.catalog_rows} catalog rows")
+
+
+@app.command("judge-eval")
+def judge_eval(file: Path = typer.Argument(..., help="labelled JSONL (format: configs/judge/README.md)"),
+               judge: Optional[str] = typer.Option(None, "--judge", help="embedded | llm | rules | auto (default: config)"),
+               split: str = typer.Option("all", "--split", help="all | train | test (fixed split by item id)"),
+               mistakes: bool = typer.Option(False, "--mistakes", help="list the items judged wrong"),
+               config: Optional[Path] = ConfigOpt) -> None:
+    """Score a labelled set with a judge: confusion matrix, hint rate, `accuracy: …` last."""
+    from clawflow.judge.evaluate import run_eval
+
+    cfg = _cfg(config)
+    try:
+        typer.echo(run_eval(cfg, file, judge, split, mistakes))
+    except (ValueError, RuntimeError) as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+from clawflow import cli_policy  # noqa: E402 - registers train, versions, compare, rollback, chat
+
+cli_policy.register(app, _cfg, ConfigOpt)
+
+if __name__ == "__main__":
+    app()

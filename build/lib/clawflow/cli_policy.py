@@ -1,0 +1,125 @@
+"""`clawflow` commands about policies: train, versions, compare, rollback, chat."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def register(app: typer.Typer, load, config_opt) -> None:
+    """Add the commands to `app`; `load(config)` returns the Config or exits with a one-line error."""
+
+    def _fail(message: str) -> None:
+        console.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+        raise typer.Exit(1)
+
+    @app.command()
+    def train(config: Optional[Path] = config_opt) -> None:
+        """Start a train-on-new-feedback run now (through the Prefect deployment)."""
+        import httpx
+
+        from clawflow.stack import service_env
+
+        cfg = load(config)
+        api = service_env(cfg)["PREFECT_API_URL"]
+        try:
+            dep = httpx.get(f"{api}/deployments/name/train-on-new-feedback/train-on-new-feedback", timeout=10)
+            if dep.status_code == 404:
+                _fail("deployment train-on-new-feedback is not deployed (run `clawflow up`)")
+            dep.raise_for_status()
+            run = httpx.post(f"{api}/deployments/{dep.json()['id']}/create_flow_run", json={}, timeout=10).json()
+        except httpx.HTTPError as exc:
+            _fail(f"Prefect API at {api} not reachable ({exc.__class__.__name__}); is the stack up?")
+        ui = api.removesuffix("/api")
+        console.print(f"flow run {run['name']} scheduled: {ui}/runs/flow-run/{run['id']}")
+
+    @app.command()
+    def versions(config: Optional[Path] = config_opt) -> None:
+        """Registered versions with aliases, gate verdicts and training metrics."""
+        from clawflow import registry
+
+        cfg = load(config)
+        table = Table("version", "aliases", "created", "gate", "turns", "loss", "reward mean", "source")
+        for v in registry.list_versions(cfg):
+            created = dt.datetime.fromtimestamp(v["created"] / 1000).strftime("%Y-%m-%d %H:%M")
+            loss = v["metrics"].get("loss")
+            table.add_row(str(v["version"]), ",".join(v["aliases"]), created, v["tags"].get("gate", ""),
+                          v["tags"].get("turns", ""), f"{loss:.4g}" if loss is not None else "",
+                          v["tags"].get("reward_mean", ""), v["source"])
+        console.print(table)
+
+    @app.command()
+    def compare(a: str, b: str, config: Optional[Path] = config_opt) -> None:
+        """Probe-set drift between versions A and B (numbers or aliases), both directions."""
+        from clawflow import registry
+        from clawflow.gate import nonfinite_tensors, probe_drift
+
+        cfg = load(config)
+        try:
+            (va, pa), (vb, pb) = registry.resolve(cfg, a), registry.resolve(cfg, b)
+        except LookupError as exc:
+            _fail(str(exc))
+        table = Table("", f"v{va} → v{vb}", f"v{vb} → v{va}")
+        with console.status("evaluating on the probe prompts..."):
+            ab = probe_drift(pa, pb, cfg.gate.probes, cfg.gate.max_new_tokens)
+            ba = probe_drift(pb, pa, cfg.gate.probes, cfg.gate.max_new_tokens)
+        for key in ab:
+            table.add_row(key, f"{ab[key]:.4f}", f"{ba[key]:.4f}")
+        table.add_row("non-finite tensors", str(len(nonfinite_tensors(pa))), str(len(nonfinite_tensors(pb))))
+        console.print(table)
+
+    @app.command()
+    def rollback(version: Optional[str] = typer.Argument(None, help="version or alias (default: previous)"),
+                 config: Optional[Path] = config_opt) -> None:
+        """Move `champion` back to VERSION (default: `previous`) and hot-reload the gateway."""
+        from clawflow import ops
+
+        cfg = load(config)
+        try:
+            result = ops.rollback(cfg, int(version) if version and version.isdigit() else version)
+        except (LookupError, ops.GatewayRefused) as exc:
+            _fail(str(exc))
+        note = "gateway reloaded" if result["reloaded"] else "gateway not running: it starts on the new champion"
+        console.print(f"champion v{result['from_version']} → v{result['to_version']} ({note})")
+
+    @app.command()
+    def chat(config: Optional[Path] = config_opt, session: Optional[str] = None) -> None:
+        """Talk to the gateway in the terminal (/new starts over, /quit leaves). Your replies are the
+        feedback the next training learns from."""
+        from openai import APIConnectionError, OpenAI
+
+        cfg = load(config)
+        client = OpenAI(base_url=f"{cfg.gateway_url}/v1", api_key=cfg.serving.api_key)
+        headers = {"X-Session-Id": session} if session else None
+        history: list[dict] = []
+        while True:
+            try:
+                text = console.input("[bold green]you>[/bold green] ").strip()
+            except (EOFError, KeyboardInterrupt):
+                break
+            if text in ("/quit", "/exit"):
+                break
+            if text == "/new" or not text:
+                history = [] if text == "/new" else history
+                continue
+            history.append({"role": "user", "content": text})
+            reply = ""
+            try:
+                stream = client.chat.completions.create(model=cfg.model.name, messages=history, stream=True,
+                                                        extra_headers=headers)
+                console.print("[bold blue]bot>[/bold blue] ", end="")
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        reply += chunk.choices[0].delta.content
+                        console.print(chunk.choices[0].delta.content, end="", markup=False, highlight=False)
+                console.print()
+            except APIConnectionError:
+                _fail(f"gateway at {cfg.gateway_url} is not running (clawflow up)")
+            history.append({"role": "assistant", "content": reply})

@@ -1,0 +1,315 @@
+"""Typed configuration: YAML files in `configs/` validated into pydantic models.
+
+One file is selected by `--config`, else `CLAWFLOW_CONFIG`, else `configs/default.yaml`.
+Secrets come from the environment (`CLAWFLOW_API_KEY`, `CLAWFLOW_ADMIN_KEY`) and the data dir
+from `CLAWFLOW_HOME` (default `./.clawflow`), so one YAML file serves every machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GGUFSource(_Strict):
+    """A GGUF file shipped inside an installed Python package (located, never imported)."""
+
+    package: str
+    file: str
+
+
+class TinySpec(_Strict):
+    """A random-weight Llama made locally, with the tokenizer of the model it is based on."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    seed: int = 0
+
+
+class ModelConfig(_Strict):
+    name: str = "smollm2-135m-instruct"  # served model id and MLflow registered model name
+    path: str | None = None  # a Hugging Face id or a local directory
+    gguf: GGUFSource | None = None  # materialized once as safetensors under $CLAWFLOW_HOME/models
+    tiny: TinySpec | None = None  # tests: random weights on top of path/gguf's tokenizer
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _has_source(self) -> "ModelConfig":
+        if not self.path and not self.gguf:
+            raise ValueError("model needs `path` (HF id or directory) or `gguf`")
+        return self
+
+
+class ServingConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str = "clawflow"
+    admin_key: str = "clawflow-admin"
+    max_new_tokens: int = 256  # default when the request sets no max_tokens
+    max_concurrency: int = Field(32, ge=1)  # requests decoding at once (the continuous batch)
+    max_queue: int = Field(64, ge=0)  # requests waiting beyond that; more get HTTP 429 + Retry-After
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get HTTP 413
+    engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (README)
+    sglang_url: str = "http://127.0.0.1:30010"
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+
+class StoreConfig(_Strict):
+    """Trajectory store (clawflow/store): WAL segments, Parquet shards, the DuckDB catalog."""
+
+    # "always": fsync each turn before replying; "group": one fsync per group_commit_ms window covers
+    # every turn written in it (each reply still waits for it); "never": OS page cache only.
+    fsync: Literal["always", "group", "never"] = "always"
+    group_commit_ms: float = Field(5.0, gt=0)
+    # a segment is sealed into a shard at whichever comes first: bytes, turns or age
+    segment_max_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    segment_max_turns: int = Field(10_000, ge=1)
+    segment_max_age_s: float = Field(60.0, gt=0)
+    seal_interval_s: float = Field(5.0, gt=0)  # how often the background sealer looks at segments
+    row_group_rows: int = Field(122_880, ge=1)  # DuckDB scans one row group per thread
+    compaction_target_bytes: int = Field(128 * 1024 * 1024, ge=1)  # shards under half of it are merged
+    retention_days: float | None = Field(None, gt=0)  # None: keep forever
+    retention_max_bytes: int | None = Field(None, ge=1)  # None: no size bound
+    batch_max_tokens: int | None = Field(None, ge=1)  # token budget of one training batch
+    claim_ttl_s: float = Field(8 * 3600, gt=0)  # a failed run's unreleased batch is free again after this
+
+
+class LLMJudgeConfig(_Strict):
+    """Any OpenAI-compatible endpoint (SGLang, vLLM, a hosted API, clawflow's own gateway)."""
+
+    base_url: str | None = None  # e.g. http://127.0.0.1:30000/v1; set → `auto` picks this backend
+    api_key: str | None = None  # else $CLAWFLOW_JUDGE_API_KEY
+    model: str = "default"
+    temperature: float = 0.6  # votes must be able to differ: m samples, majority
+    max_tokens: int = 512
+    timeout_s: float = 60.0
+    max_retries: int = 4  # on 429, 5xx, timeouts and connection errors
+    backoff_s: float = 0.5  # first retry delay; doubles, with jitter, capped at backoff_max_s
+    backoff_max_s: float = 20.0
+    concurrency: int = 8  # HTTP requests in flight at once
+    budget_requests: int | None = None  # per training run, retries included; spent → turns wait
+    budget_tokens: int | None = None  # per training run (usage.total_tokens)
+    headers: dict[str, str] = Field(default_factory=lambda: {"X-Turn-Type": "side"})  # never trained on
+
+
+class EmbeddedJudgeConfig(_Strict):
+    """MiniLM sentence embeddings + a logistic head built from configs/judge/ (no second LLM)."""
+
+    head: Path | None = None  # default configs/judge/embedded_head.safetensors
+    exemplars: Path | None = None  # default configs/judge/exemplars.jsonl
+    labelled: Path | None = None  # default configs/judge/labelled.jsonl (its train split)
+    threads: int | None = 1  # torch threads while embedding (None: leave torch's setting)
+
+
+class JudgeConfig(_Strict):
+    # auto: `llm` when llm.base_url is set, else `embedded`; `rules` is the lexical baseline.
+    backend: Literal["auto", "embedded", "llm", "rules"] = "auto"
+    votes: int = Field(3, ge=1)  # m votes per turn (LLM); deterministic backends vote once
+    hints: Literal["off", "nonzero", "always"] = "nonzero"  # ask for a hindsight hint (OPD)
+    hint_min_chars: int = 20  # shorter hints are dropped; the longest valid vote wins
+    include_request: bool = True  # show the request to the judge (helps with rephrases)
+    context_messages: int = 6  # how many of the last request messages the judge sees
+    prm_prompt: str = "prm_v1"  # clawflow/judge/prompts/<name>.txt
+    hint_prompt: str = "hint_v1"
+    concurrency: int = 8  # turns judged at once
+    # Outcome rewards (`env_reward`): add to the PRM score (OpenClaw-RL's step + outcome), use
+    # the outcome alone where present, or ignore it.
+    env_reward: Literal["add", "replace", "ignore"] = "add"
+    env_reward_weight: float = 1.0
+    llm: LLMJudgeConfig = Field(default_factory=LLMJudgeConfig)
+    embedded: EmbeddedJudgeConfig = Field(default_factory=EmbeddedJudgeConfig)
+
+    @model_validator(mode="after")
+    def _llm_has_endpoint(self) -> "JudgeConfig":
+        if self.backend == "llm" and not self.llm.base_url:
+            raise ValueError("judge.backend `llm` needs judge.llm.base_url")
+        return self
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "llm" if self.llm.base_url else "embedded"
+
+
+class LoraSpec(_Strict):
+    """LoRA (Hu et al. 2021) via peft: adapter-only checkpoints of a few MB."""
+
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class TrainConfig(_Strict):
+    """The trainer (clawflow/train). Loss math: clawflow/train/loss.py and advantages.py."""
+
+    lr: float = 1e-6
+    epochs: int = Field(1, ge=1)
+    micro_batch: int = Field(4, ge=1)  # sequences per forward pass
+    step_tokens: int = Field(8192, ge=1)  # response tokens per optimizer step (gradient accumulation)
+    max_turns: int = 256  # largest batch one training run takes, oldest first
+    # objective: binary RL, OPD from hindsight hints, or both (a turn without a hint has no OPD term)
+    objective: Literal["rl", "opd", "combined"] = "combined"
+    rl_weight: float = 1.0
+    opd_weight: float = 1.0
+    teacher: Literal["policy", "base"] = "policy"  # OPD teacher: the served policy, or the frozen base
+    opd_clip: float | None = Field(None, gt=0)  # bound |teacher - old| per token
+    group_norm: bool = True  # GRPO (r - mean) / std within a group of samples of one prompt
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)  # PPO clip; clip-higher (DAPO, Yu et al. 2025)
+    eps_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)  # dual-clip PPO (Ye et al. 2020), e.g. 3.0
+    tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling vs rollout logprobs; None: off
+    kl_beta: float = Field(0.0, ge=0.0)  # k3 KL to the frozen base; 0 never runs the base
+    aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
+    max_staleness: int | None = Field(None, ge=0)  # policy versions; None = no bound
+    staleness: Literal["drop", "decay"] = "drop"
+    staleness_decay: float = Field(0.5, gt=0.0, le=1.0)
+    weight_decay: float = 0.0
+    grad_clip: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    activation_checkpointing: bool = False
+    mixed_precision: bool = True  # GPU: bf16 compute, fp32 weights and reductions; CPU trains fp32
+    lora: LoraSpec | None = None
+    resume_every: int = Field(20, ge=0)  # steps between resumable states; 0 = only when interrupted
+    keep_optimizer: bool = True  # save AdamW state with the checkpoint; the next run continues it
+    seed: int = 0
+    nproc: int = 1  # torchrun --nproc_per_node
+    threads: int | None = None
+    peak_flops: float | None = None  # MFU denominator (FLOP/s); None = measured matmul peak
+
+
+class GateConfig(_Strict):
+    """Eval gate before promotion (clawflow/gate.py)."""
+
+    enabled: bool = True
+    max_kl: float = 0.25  # nats/token, KL(champion ‖ candidate) on the champion's probe replies
+    max_nll_increase: float = 0.25  # nats/token on those replies
+    max_new_tokens: int = 24
+    probes: list[str] = Field(default_factory=lambda: [
+        "What is the capital of France?",
+        "Write one sentence about the ocean.",
+        "List three primary colors.",
+        "How do I reverse a list in Python?",
+        "Say hello to my friend Sam.",
+    ])
+
+
+class RegistryConfig(_Strict):
+    tracking_uri: str | None = None  # None: sqlite:///$CLAWFLOW_HOME/mlflow.db
+    experiment: str = "clawflow"
+
+
+class ServicesConfig(_Strict):
+    """Ports of the local stack started by `clawflow up`."""
+
+    prefect_port: int = 4200
+    mlflow_port: int = 5000
+    work_pool: str = "clawflow-process"
+    # train-on-new-feedback runs after this many clawflow.shard.sealed events within the window
+    # (rendered into the deployment's trigger by `clawflow up`); runs are serial either way.
+    train_trigger_threshold: int = Field(1, ge=1)
+    train_trigger_within_s: float = Field(0.0, ge=0)
+
+
+class EnvConfig(_Strict):
+    """Environments that drive episodes through the gateway like any client (clawflow/envs);
+    the always-on `collect-environment` deployment runs them."""
+
+    environments: list[Literal["persona", "terminal"]] = Field(default_factory=lambda: ["persona", "terminal"])
+    personas_file: Path | None = None  # default configs/envs/personas.yaml
+    personas: list[str] = Field(default_factory=list)  # persona names to run; empty = all
+    terminal_tasks_file: Path | None = None  # default configs/envs/terminal_tasks.yaml
+    concurrency: int = Field(4, ge=1)  # episodes in flight at once
+    episodes_per_round: int = Field(8, ge=1)
+    episodes_per_minute: float = Field(6.0, gt=0)  # the collection rate (rounds are paced to it)
+    max_turns: int = Field(4, ge=1)  # assistant turns per episode (persona replies, terminal steps)
+    group_n: int = Field(1, ge=1, le=16)  # n > 1: n choices at an episode's first turn (a GRPO group)
+    concrete_feedback: float = Field(0.5, ge=0.0, le=1.0)  # share of corrections that say what to do
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.8, ge=0.0)
+    command_timeout_s: float = Field(5.0, gt=0)  # terminal: per run_shell command
+    output_cap_bytes: int = Field(4096, ge=64)  # terminal: tool output kept per command
+    request_timeout_s: float = Field(300.0, gt=0)
+    health_poll_s: float = Field(5.0, gt=0)  # while the gateway is down
+    seed: int | None = None
+
+
+class Config(_Strict):
+    home: Path = Path(".clawflow")
+    model: ModelConfig
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
+    envs: EnvConfig = Field(default_factory=EnvConfig)
+    source_file: Path | None = None
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.registry.tracking_uri or f"sqlite:///{self.home / 'mlflow.db'}"
+
+    @property
+    def artifact_root(self) -> Path:
+        return self.home / "mlartifacts"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.serving.host}:{self.serving.port}"
+
+
+class ConfigError(ValueError):
+    """A config file that is missing or does not validate; the message is one line."""
+
+
+def config_path(path: str | os.PathLike | None = None) -> Path:
+    chosen = path or os.environ.get("CLAWFLOW_CONFIG") or DEFAULT_CONFIG
+    return Path(chosen).expanduser().resolve()
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    src = config_path(path)
+    if not src.is_file():
+        raise ConfigError(f"config file not found: {src}")
+    try:
+        raw = yaml.safe_load(src.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{src}: not valid YAML ({exc.__class__.__name__})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: the top level must be a mapping of sections, not {type(raw).__name__}")
+    if env_home := os.environ.get("CLAWFLOW_HOME"):
+        raw["home"] = env_home
+    serving = raw.setdefault("serving", {}) or {}
+    raw["serving"] = serving
+    if isinstance(serving, dict):  # anything else fails validation below with a one-line message
+        if key := os.environ.get("CLAWFLOW_API_KEY"):
+            serving["api_key"] = key
+        if key := os.environ.get("CLAWFLOW_ADMIN_KEY"):
+            serving["admin_key"] = key
+    try:
+        cfg = Config.model_validate({**raw, "source_file": src})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{src}: {where}: {first['msg']}") from exc
+    cfg.home = cfg.home.expanduser().resolve()
+    return cfg

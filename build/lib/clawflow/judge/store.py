@@ -1,0 +1,80 @@
+"""Judgments on disk: append-only Parquet files under `$CLAWFLOW_HOME/judgments/`.
+
+One file per judging batch (temp name → fsync → rename, like the shards), with exactly the
+columns below; other tools (`forget`, stats) read them by these names. A turn is judged once per
+(judge, judge_version): `lookup` returns what is already stored so it is not asked again. A turn
+the judge could not answer is simply absent, and is judged on a later run.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA = pa.schema([
+    ("turn_id", pa.string()),
+    ("session_id", pa.string()),
+    ("judge", pa.string()),
+    ("judge_version", pa.string()),
+    ("prompt_version", pa.string()),
+    ("score", pa.int8()),
+    ("votes", pa.list_(pa.int8())),  # null elements = invalid votes
+    ("rationale", pa.string()),
+    ("hint", pa.string()),
+    ("created_at", pa.timestamp("us", tz="UTC")),
+])
+COLUMNS = SCHEMA.names
+
+
+class JudgmentStore:
+    def __init__(self, home: Path):
+        self.dir = Path(home) / "judgments"
+
+    def files(self) -> list[Path]:
+        return sorted(self.dir.glob("*.parquet")) if self.dir.is_dir() else []
+
+    def append(self, rows: list[dict[str, Any]]) -> Path | None:
+        """Write `rows` (dicts with COLUMNS; created_at defaults to now) as one new file."""
+        if not rows:
+            return None
+        now = datetime.now(UTC)
+        table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} | {"created_at": r.get("created_at") or now}
+                                      for r in rows], schema=SCHEMA)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"{now:%Y%m%dT%H%M%S%f}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.dir / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return self.dir / name
+
+    def lookup(self, turn_ids: list[str], judge: str, judge_version: str) -> dict[str, dict[str, Any]]:
+        """Stored judgments of `turn_ids` by this judge version (latest wins), by turn id."""
+        files = self.files()
+        if not files or not turn_ids:
+            return {}
+        import duckdb
+
+        con = duckdb.connect()
+        try:
+            cur = con.execute(
+                "SELECT * FROM read_parquet($files) WHERE judge = $judge AND judge_version = $version "
+                "AND turn_id IN (SELECT unnest($ids::VARCHAR[])) ORDER BY created_at",
+                {"files": [str(f) for f in files], "judge": judge, "version": judge_version, "ids": list(turn_ids)})
+            names = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        finally:
+            con.close()
+        return {row["turn_id"]: row for row in (dict(zip(names, r)) for r in rows)}

@@ -1,0 +1,39 @@
+"""Operations shared by flows and the CLI: tell the gateway to reload, roll back the champion."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from clawflow import events, registry
+from clawflow.config import Config
+
+
+class GatewayRefused(RuntimeError):
+    """The gateway answered but would not load the checkpoint (it keeps serving the old one)."""
+
+
+def reload_gateway(cfg: Config, version: int, checkpoint: str, timeout_s: float = 300) -> dict[str, Any] | None:
+    """Ask the running gateway to serve `version`; None when no gateway is running (it loads the
+    champion when it starts). 5xx/timeouts raise httpx errors so callers can retry."""
+    try:
+        r = httpx.post(f"{cfg.gateway_url}/admin/reload", json={"path": checkpoint, "version": version},
+                       headers={"Authorization": f"Bearer {cfg.serving.admin_key}"}, timeout=timeout_s)
+    except httpx.ConnectError:
+        return None
+    if r.status_code >= 500:
+        r.raise_for_status()
+    if r.status_code != 200:
+        raise GatewayRefused(f"gateway refused v{version}: {r.text}")
+    events.emit(events.POLICY_RELOADED, f"clawflow.policy.{cfg.model.name}.v{version}", r.json())
+    return r.json()
+
+
+def rollback(cfg: Config, target: int | str | None = None) -> dict[str, Any]:
+    """Move `champion` back (to `previous` by default), reload the gateway, emit the event."""
+    old, new, path = registry.rollback(cfg, target)
+    events.emit(events.POLICY_ROLLED_BACK, f"clawflow.policy.{cfg.model.name}.v{new}",
+                {"from_version": old, "to_version": new})
+    reloaded = reload_gateway(cfg, new, path)
+    return {"from_version": old, "to_version": new, "path": path, "reloaded": reloaded is not None}

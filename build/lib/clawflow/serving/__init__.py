@@ -1,0 +1,1 @@
+"""OpenAI-compatible gateway: protocol models, engines, session inference, router."""

@@ -1,0 +1,247 @@
+"""Continuous batching for the embedded torch engine: one decode thread, requests join and leave
+between decode steps.
+
+Why our own and not transformers' `ContinuousBatchingManager` (transformers 5.x): its logprobs are
+taken after the temperature/top-p processors (not the raw policy distribution the trainer's
+importance ratio needs) and it samples every request with one global RNG (no per-request seed).
+So this is a compact left-padded decoder over a `DynamicCache`:
+
+- a request is admitted between steps: prefilled alone (batch 1), its first token sampled, then its
+  KV cache is left-padded (or the batch's is) to a common length and concatenated into the batch;
+- every step decodes one token for every row (attention mask hides each row's padding, position
+  ids count each row's real tokens), samples each row with its own `torch.Generator`, and records
+  the log-softmax of the raw logits at the sampled token;
+- finished or aborted rows are sliced out of the cache, and leading columns that are padding in
+  every row are trimmed;
+- one batch per policy version: a request pins the policy that was serving when it was admitted and
+  finishes on it; a reload only changes where new requests go, and an old version's batch (and
+  model) is dropped when its last request ends;
+- a bounded waiting queue: `submit` raises `QueueFull` instead of queueing without limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from clawflow.serving.engine import Generation, SamplingParams, TokenCallback
+
+if TYPE_CHECKING:
+    from clawflow.serving.engine import TorchEngine, _Policy
+
+log = logging.getLogger("clawflow.batcher")
+
+
+class QueueFull(RuntimeError):
+    """Every decode slot is busy and the waiting queue is at its bound: try again later."""
+
+
+@dataclass
+class _Row:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_token: TokenCallback | None
+    future: Future
+    gen: torch.Generator | None
+    policy: Any = None
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish: str = "length"
+
+
+@dataclass
+class _Batch:
+    policy: Any
+    rows: list[_Row] = field(default_factory=list)
+    cache: Any = None  # DynamicCache, [B, heads, T, dim] per layer
+    mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left padding
+    pos: torch.Tensor | None = None  # [B] position id of each row's next input token
+    last: torch.Tensor | None = None  # [B] each row's last sampled token (the next input)
+
+
+class Batcher:
+    def __init__(self, engine: TorchEngine, max_batch: int, max_queue: int):
+        self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self._waiting: deque[_Row] = deque()
+        self._batches: dict[int, _Batch] = {}
+        self._running = 0  # admitted and not finished (prefilling or in a batch)
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="clawflow-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return self._running
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Future:
+        fut: Future = Future()
+        gen = torch.Generator().manual_seed(params.seed % (1 << 63)) if params.seed is not None else None  # any int
+        with self._cv:
+            if self.active + len(self._waiting) >= self.max_batch + self.max_queue:
+                raise QueueFull(f"server busy: {len(self._waiting)} requests waiting")
+            self._waiting.append(_Row(list(prompt_ids), params, on_token, fut, gen))
+            self._cv.notify()
+        return fut
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=5)
+
+    # -- the decode loop ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stop and not self._waiting and not self._batches:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    admit = []
+                    while self._waiting and self.active + len(admit) < self.max_batch:
+                        row = self._waiting.popleft()
+                        if row.future.set_running_or_notify_cancel():  # False: the client left while queued
+                            admit.append(row)
+                    self._running += len(admit)
+                for row in admit:
+                    self._guard([row], lambda r=row: self._prefill(r))
+                for version, batch in list(self._batches.items()):
+                    self._guard(batch.rows, lambda b=batch: self._step(b))
+                    if not batch.rows:
+                        del self._batches[version]  # an old version's model is freed with its last request
+
+    def _guard(self, rows: list[_Row], fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # a failed forward fails its requests, never the loop
+            log.exception("decode step failed")
+            for row in rows:
+                if not row.future.done():
+                    self._finish(row, exc)
+            for version, batch in list(self._batches.items()):
+                if any(r in rows for r in batch.rows):
+                    del self._batches[version]
+
+    def _prefill(self, row: _Row) -> None:
+        from transformers import DynamicCache
+
+        row.policy = policy = self.engine._policy  # pinned: this request finishes on this version
+        cache = DynamicCache()
+        out = policy.model(torch.tensor([row.prompt_ids]), cache=cache, use_cache=True)
+        if self._emit(row, out.logits[0, -1]):
+            return self._finish(row)
+        n = len(row.prompt_ids)
+        batch = self._batches.setdefault(policy.version, _Batch(policy))
+        mask, pos, last = torch.ones(1, n, dtype=torch.long), torch.tensor([n]), torch.tensor([row.out_ids[-1]])
+        if batch.cache is None:
+            batch.cache, batch.mask, batch.pos, batch.last = cache, mask, pos, last
+        else:
+            t = batch.mask.shape[1]
+            _pad_left(cache, max(t - n, 0))
+            _pad_left(batch.cache, max(n - t, 0))
+            mask = torch.cat([torch.zeros(1, max(t - n, 0), dtype=torch.long), mask], 1)
+            batch.mask = torch.cat([torch.zeros(batch.mask.shape[0], max(n - t, 0), dtype=torch.long), batch.mask], 1)
+            for bl, rl in zip(batch.cache.layers, cache.layers):
+                bl.keys, bl.values = torch.cat([bl.keys, rl.keys]), torch.cat([bl.values, rl.values])
+            batch.mask = torch.cat([batch.mask, mask])
+            batch.pos, batch.last = torch.cat([batch.pos, pos]), torch.cat([batch.last, last])
+        batch.rows.append(row)
+
+    def _step(self, batch: _Batch) -> None:
+        mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
+        out = batch.policy.model(batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
+                                 cache=batch.cache, use_cache=True)
+        logits = out.logits[:, -1]
+        done = [self._emit(row, logits[i]) for i, row in enumerate(batch.rows)]
+        batch.mask, batch.pos = mask, batch.pos + 1
+        batch.last = torch.tensor([row.out_ids[-1] for row in batch.rows])
+        if any(done):
+            keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
+            finished = [r for r, d in zip(batch.rows, done) if d]
+            batch.rows = [r for r, d in zip(batch.rows, done) if not d]
+            for row in finished:  # after they left the batch: a caller sees its slot free
+                self._finish(row)
+            if not batch.rows:
+                return
+            batch.mask, batch.pos, batch.last = batch.mask[keep], batch.pos[keep], batch.last[keep]
+            skip = int((batch.mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-padding columns
+            batch.mask = batch.mask[:, skip:]
+            for layer in batch.cache.layers:
+                layer.keys, layer.values = layer.keys[keep, :, skip:], layer.values[keep, :, skip:]
+
+    def _emit(self, row: _Row, logits: torch.Tensor) -> bool:
+        """Sample one token for `row`, record it, call back; True when the row has finished."""
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        p = row.params
+        token = sample(logits, p.temperature, p.top_p, row.gen)
+        row.out_ids.append(token)
+        row.logprobs.append(float(logp[token]))
+        if p.top_logprobs:
+            vals, idx = logp.topk(p.top_logprobs)
+            row.top.append(list(zip(idx.tolist(), vals.tolist())))
+        eng = self.engine
+        finished = False
+        if token in eng.eos_ids:
+            row.finish, row.text, finished = "stop", eng.decode(row.out_ids), True
+        else:
+            row.text = eng.decode(row.out_ids)
+            if cuts := [row.text.index(s) for s in p.stop if s in row.text]:
+                row.text, row.finish, finished = row.text[: min(cuts)], "stop", True  # earliest stop wins
+            elif row.on_token is not None and not _call(row, token):
+                row.finish, finished = "abort", True
+            elif len(row.out_ids) >= p.max_new_tokens:
+                finished = True
+        return finished
+
+    def _finish(self, row: _Row, exc: BaseException | None = None) -> None:
+        with self._cv:
+            self._running -= 1  # before the caller can see it: its slot is free
+        if exc is not None:
+            row.future.set_exception(exc)
+        else:
+            row.future.set_result(Generation(row.out_ids, row.logprobs, row.text, row.finish,
+                                             row.policy.version, row.top))
+
+
+def _call(row: _Row, token: int) -> bool:
+    try:
+        return bool(row.on_token(token, row.logprobs[-1], row.text))
+    except Exception:  # a broken callback (closed event loop) means nobody is listening
+        return False
+
+
+def _pad_left(cache, n: int) -> None:
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        b, h, _, d = layer.keys.shape
+        layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], 2)
+        layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], 2)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
+    """One token from 1-D logits: greedy at temperature 0, else temperature then nucleus (top-p)."""
+    if temperature <= 1e-6:  # 0, or so small that float32 division breaks down: greedy either way
+        return int(torch.argmax(logits))
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)  # finite at any temperature > 0
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+        keep[0] = True  # the top token always (a top_p that underflows float32 keeps nothing else)
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,185 @@
+"""Embedded torch engine: a transformers causal LM with KV-cached decoding.
+
+Token-in/token-out: callers pass prompt token ids and get back the sampled ids and the policy's
+log-probabilities of them (log-softmax of the raw logits, i.e. temperature 1: the π_old the trainer's
+importance ratio needs, whatever temperature was used to sample). Hot reload loads the new weights
+into a fresh model object and swaps one reference: a request that started on version N keeps its
+model object and finishes on N, new requests get N+1, and a broken checkpoint never replaces the
+serving one. A LoRA adapter directory (`adapter_config.json`) is served on top of its base
+model's weights, loaded once and shared by every adapter version: a reload copies only the
+adapter. Decoding is continuous batching on one thread (clawflow/serving/batcher.py): requests
+join and leave between decode steps, one batch per policy version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("clawflow.engine")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    top_logprobs: int = 0  # also return the k most likely tokens at each position
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # stop | length | abort
+    policy_version: int
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token id, logprob), per position
+
+
+@dataclass(frozen=True)
+class _Policy:
+    model: Any
+    version: int
+    path: str
+
+
+class ReloadError(RuntimeError):
+    """The checkpoint could not be loaded; the serving weights are unchanged."""
+
+
+# on_token(token_id, logprob, text_so_far) -> False to abort (client went away)
+TokenCallback = Callable[[int, float, str], bool]
+
+
+class TorchEngine:
+    def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
+                 max_batch: int = 32, max_queue: int = 64):
+        from transformers import AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.dtype = getattr(torch, dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
+        self._policy = _Policy(self._load(model_path), version, str(model_path))
+        self._reload_lock = threading.Lock()
+        self.eos_ids = self._eos_ids()
+        from clawflow.serving.batcher import Batcher
+
+        self.batcher = Batcher(self, max_batch, max_queue)
+
+    # -- weights ---------------------------------------------------------------------------
+    def _load(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        if (Path(path) / "adapter_config.json").is_file():
+            return self._load_adapter(path)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, output_loading_info=True)
+        if info.get("missing_keys"):  # transformers fills them with random weights: never serve that
+            raise ValueError(f"checkpoint lacks weights {sorted(info['missing_keys'])[:3]}")
+        model.eval()
+        return model
+
+    def _load_adapter(self, path: str):
+        """Base weights shared with a cached base model (never modified) + this adapter, unmerged."""
+        import copy
+        import itertools
+        import json
+
+        from peft import PeftModel
+
+        base_dir = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        if base_dir not in self._bases:
+            served = getattr(self, "_policy", None)  # serving the base itself: share its weights
+            same = served is not None and Path(served.path).resolve() == Path(base_dir).resolve()
+            self._bases[base_dir] = served.model if same and not hasattr(served.model, "peft_config") \
+                else self._load(base_dir)
+        base = self._bases[base_dir]
+        shared = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
+        shell = copy.deepcopy(base, shared)  # new modules, the same weight tensors
+        return PeftModel.from_pretrained(shell, path).eval()
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy.version
+
+    @property
+    def model_path(self) -> str:
+        return self._policy.path
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self._policy.model.config, "max_position_embeddings", 2048))
+
+    def reload(self, path: str, version: int) -> float:
+        """Swap in the checkpoint at `path` as `version`; returns seconds taken."""
+        t0 = time.perf_counter()
+        with self._reload_lock:
+            if not Path(path).is_dir():
+                raise ReloadError(f"checkpoint directory not found: {path}")
+            try:
+                model = self._load(path)
+            except Exception as exc:  # any load failure keeps the old weights serving
+                raise ReloadError(f"cannot load checkpoint {path}: {exc.__class__.__name__}: {exc}") from exc
+            if model.config.vocab_size != self._policy.model.config.vocab_size:
+                raise ReloadError(f"checkpoint {path} has another vocabulary size")
+            self._policy = _Policy(model, version, str(path))
+        return time.perf_counter() - t0
+
+    # -- tokens ----------------------------------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen = getattr(self._policy.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos])
+        return {i for i in ids if i is not None}
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- decoding --------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None):
+        """Queue a request for the decode loop; a `concurrent.futures.Future` of its `Generation`.
+        Raises `batcher.QueueFull` when the waiting queue is at its bound. `on_token` runs on the
+        decode thread: keep it cheap."""
+        return self.batcher.submit(prompt_ids, params, on_token)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Generation:
+        return self.submit(prompt_ids, params, on_token).result()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    @property
+    def queue_depth(self) -> int:
+        return self.batcher.queue_depth
+
+    @property
+    def active(self) -> int:
+        return self.batcher.active
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """Log-probabilities of a fixed reply under the serving policy (evaluation, tests)."""
+        ids = torch.tensor([prompt_ids + response_ids])
+        logits = self._policy.model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        return logp.gather(-1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+

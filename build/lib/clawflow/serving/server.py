@@ -1,0 +1,63 @@
+"""Build the gateway from config and run it with uvicorn (`clawflow serve`).
+
+Starts on the registry's `champion` when there is one, else on the base model (version 0). Stops
+cleanly on SIGTERM: uvicorn finishes in-flight requests, then the lifespan hook seals every
+acknowledged turn into a Parquet shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from clawflow.config import Config
+from clawflow.models import base_model_dir
+
+log = logging.getLogger("clawflow.server")
+
+
+def initial_policy(cfg: Config) -> tuple[int, str]:
+    from clawflow import registry
+
+    uri = cfg.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return 0, base_model_dir(cfg)  # no registry yet: skip MLflow's table creation (seconds)
+    try:
+        found = registry.champion(cfg)
+    except Exception as exc:  # a registry that cannot be read must not keep users from being served
+        log.warning("registry unavailable (%s); serving the base model", exc)
+        found = None
+    return found if found else (0, base_model_dir(cfg))
+
+
+def build_app(cfg: Config):
+    from clawflow import registry
+    from clawflow.serving.app import create_app
+    from clawflow.serving.engine import TorchEngine
+    from clawflow.serving.gateway import Gateway
+    from clawflow.store.sealer import open_store
+
+    version, path = initial_policy(cfg)
+    s = cfg.serving
+    if s.engine == "sglang":  # SGLang serves the weights at `path` itself (launched with them)
+        from clawflow.serving.sglang import SGLangEngine
+
+        engine = SGLangEngine(s.sglang_url, path, version=version, max_batch=s.max_concurrency, max_queue=s.max_queue)
+    else:
+        engine = TorchEngine(path, version=version, dtype=cfg.model.dtype, threads=s.threads,
+                             max_batch=s.max_concurrency, max_queue=s.max_queue)
+    writer, sealer = open_store(cfg.home, cfg.store)
+    gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
+    log.info("serving %s v%s from %s", cfg.model.name, version, path)
+    return create_app(gw, resolve=lambda ref: registry.resolve(cfg, ref))
+
+
+def serve(cfg: Config, host: str | None = None, port: int | None = None) -> None:
+    import uvicorn
+
+    app = build_app(cfg)
+    run_dir = cfg.home / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "gateway.pid").write_text(str(os.getpid()))  # `clawflow down` stops it with SIGTERM
+    uvicorn.run(app, host=host or cfg.serving.host, port=port or cfg.serving.port, log_level="info")

@@ -1,0 +1,71 @@
+"""Which session a request belongs to, and which messages it added since that session's last turn.
+
+With `X-Session-Id` the client says so. Without it (most OpenAI clients) the session is inferred:
+a request whose messages start with an earlier turn's messages plus that turn's reply continues
+that session. Missing headers never mean "nothing trains".
+
+`turn_index` is the number of assistant messages in the request, so it survives restarts and
+needs no server state. `new_messages` are the messages after the last assistant message: the
+previous turn's next state (a user reply, tool results).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+
+def _canon(msg: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that identify it (clients re-send history with cosmetic changes)."""
+    calls = msg.get("tool_calls") or []
+    return {
+        "role": msg.get("role"),
+        "content": (msg.get("content") or "").strip(),
+        "tool_calls": [[c["function"]["name"], c["function"].get("arguments")] for c in calls],
+    }
+
+
+def history_key(messages: list[dict[str, Any]]) -> str:
+    blob = json.dumps([_canon(m) for m in messages], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def split_new_messages(messages: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """(turn_index, messages added after the last assistant message)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    turn_index = sum(1 for m in messages if m.get("role") == "assistant")
+    return turn_index, messages[last + 1 :]
+
+
+class SessionTracker:
+    """Remembers (history + reply) → session for the most recent `capacity` turns."""
+
+    def __init__(self, capacity: int = 10_000):
+        self._by_history: OrderedDict[str, str] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def resolve(self, messages: list[dict[str, Any]], header_session: str | None) -> str:
+        if header_session:
+            return header_session
+        # Try the longest prefix that ends in an assistant reply: that is the turn we continue.
+        for end in range(len(messages), 0, -1):
+            if messages[end - 1].get("role") != "assistant":
+                continue
+            with self._lock:
+                found = self._by_history.get(history_key(messages[:end]))
+            if found:
+                return found
+        return f"inferred-{uuid.uuid4().hex}"
+
+    def remember(self, session_id: str, messages: list[dict[str, Any]], reply: dict[str, Any]) -> None:
+        key = history_key([*messages, reply])
+        with self._lock:
+            self._by_history[key] = session_id
+            self._by_history.move_to_end(key)
+            while len(self._by_history) > self._capacity:
+                self._by_history.popitem(last=False)

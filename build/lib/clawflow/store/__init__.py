@@ -1,0 +1,1 @@
+"""Trajectory store: write-ahead segments, Parquet shards, the DuckDB catalog."""

@@ -1,0 +1,145 @@
+"""Privacy requests: export a user's sessions, or forget one everywhere.
+
+Session ids are data, never paths: they only ever reach SQL as bound parameters and files as
+column values; nothing here (or anywhere in the store) builds a file name from one.
+
+`forget` removes a session from: the shards (each rewritten atomically, or deleted when emptied),
+closed WAL segments, the catalog (its consumed and claimed rows), the judge's Parquet files, and
+the training samples of past runs (`runs/*/samples.parquet`). A tombstone makes the sealer drop
+the session's turns still in the gateway's active segment (see tombstones.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from clawflow.store.catalog import Catalog
+from clawflow.store.locks import store_lock
+from clawflow.store.maintenance import rewrite_without
+from clawflow.store.record import ARROW_SCHEMA, JSON_FIELDS
+from clawflow.store.shards import TMP_SUFFIX, write_parquet_atomic
+from clawflow.store.tombstones import add_tombstone
+from clawflow.store.wal import closed_segments, fsync_dir
+
+log = logging.getLogger("clawflow.store.privacy")
+
+FORMATS = ("parquet", "jsonl")
+
+
+@dataclass(frozen=True)
+class ForgetReport:
+    turns: int  # removed from shards
+    shards: int  # shards rewritten or deleted
+    wal_records: int  # removed from closed segments
+    judgments: int
+    samples: int  # rows of past training batches
+    catalog_rows: int  # consumed + claims rows
+
+
+def export_sessions(cat: Catalog, out: Path, sessions: list[str] | None, fmt: str | None = None) -> int:
+    """Write the sealed turns of `sessions` (None: all) to `out` as Parquet or JSONL; the row count."""
+    out = Path(out)
+    fmt = fmt or ("jsonl" if out.suffix in (".jsonl", ".json") else "parquet")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r} (choose parquet or jsonl)")
+    with cat.connect() as con:
+        where, params = "", {}
+        if sessions is not None:
+            where, params = "WHERE list_contains($sessions, session_id)", {"sessions": list(sessions)}
+        paths = [r[0] for r in con.execute(f"SELECT DISTINCT path FROM turn_keys {where}", params).fetchall()]
+        src = cat.turns_from(con, only=paths) if paths else None
+        table = ARROW_SCHEMA.empty_table()
+        if src is not None:
+            turns, tparams = src
+            sql = f"SELECT * FROM {turns} {where} ORDER BY session_id, turn_index, created_at, turn_id"
+            table = con.sql(sql, params={**tparams, **params}).to_arrow_table()
+    table = table.select(ARROW_SCHEMA.names).cast(ARROW_SCHEMA)
+    if fmt == "parquet":
+        write_parquet_atomic(table, out)
+    else:
+        _write_jsonl(table, out)
+    return table.num_rows
+
+
+def _write_jsonl(table: pa.Table, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in table.to_pylist():
+            for name in JSON_FIELDS:  # nested JSON, not JSON-in-a-string
+                row[name] = None if row[name] is None else json.loads(row[name])
+            row["created_at"] = row["created_at"].isoformat()
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) -> ForgetReport:
+    """Remove every stored turn of `session_id` created up to `at` (now) from everywhere."""
+    home = cat.home
+    add_tombstone(home, session_id, at)  # first: a seal racing us drops the session too
+    with cat.connect() as con, store_lock(home):
+        found = con.execute("SELECT turn_id, path FROM turn_keys WHERE session_id = $sid",
+                            {"sid": session_id}).fetchall()
+        ids, files = [r[0] for r in found], {r[1] for r in found}
+        removed = rewrite_without(cat, con, files, set(ids)) if ids else 0
+        catalog_rows = 0
+        for table in ("consumed", "claims"):
+            catalog_rows += len(con.execute(f"DELETE FROM {table} WHERE list_contains($ids, turn_id) RETURNING turn_id",
+                                            {"ids": ids}).fetchall())
+        con.execute("CHECKPOINT").fetchall()  # deleted rows leave the WAL file now, not later
+        wal = _forget_in_segments(home / "wal", session_id)
+        judgments = sum(_drop_rows(p, session_id, ids) for p in sorted((home / "judgments").glob("*.parquet")))
+        samples = sum(_drop_rows(p, None, ids) for p in sorted((home / "runs").glob("*/samples.parquet")))
+    report = ForgetReport(removed, len(files), wal, judgments, samples, catalog_rows)
+    log.info("forgot a session: %s", report)
+    return report
+
+
+def _forget_in_segments(wal_dir: Path, session_id: str) -> int:
+    """Drop the session's lines from closed segments (the active one is left to the tombstone)."""
+    removed = 0
+    for seg in closed_segments(wal_dir):
+        lines = seg.read_bytes().split(b"\n")
+        kept = []
+        for line in lines:
+            try:
+                mine = json.loads(line).get("session_id") == session_id if line.strip() else False
+            except ValueError:
+                mine = False  # torn lines stay; the sealer reports them
+            removed += mine
+            if not mine:
+                kept.append(line)
+        if len(kept) < len(lines):
+            tmp = seg.with_name(seg.name + TMP_SUFFIX)
+            with open(tmp, "wb") as f:
+                f.write(b"\n".join(kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, seg)
+            fsync_dir(wal_dir)
+    return removed
+
+
+def _drop_rows(path: Path, session_id: str | None, turn_ids: list[str]) -> int:
+    """Rewrite a Parquet file (keeping its schema) without rows of the session or those turn ids."""
+    table = pq.read_table(path)
+    mask = pc.is_in(table["turn_id"], value_set=pa.array(turn_ids, pa.string())) if "turn_id" in table.column_names \
+        else pa.array([False] * table.num_rows)
+    if session_id is not None and "session_id" in table.column_names:
+        mask = pc.or_(mask, pc.fill_null(pc.equal(table["session_id"], session_id), False))
+    mask = pc.fill_null(mask, False)
+    n = pc.sum(mask).as_py() or 0
+    if n:
+        write_parquet_atomic(table.filter(pc.invert(mask)), path)
+    return n

@@ -1,0 +1,129 @@
+"""From samples to a run plan: which samples train, with what per-sample terms, in which steps.
+
+Everything here is decided once, before the first forward pass, identically on every rank (no
+communication): the per-sample RL advantage and staleness weight, the teacher prompt, and the
+split into optimizer steps by a budget of response tokens (gradient accumulation), each step
+divided over ranks and micro-batches. The plan is the same every epoch (one seeded shuffle), so
+a sample stays on the same rank and a resumed run replays exactly the remaining steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clawflow.config import TrainConfig
+from clawflow.train.batch import Sample, collate, load_samples
+from clawflow.train.checkpoint import is_adapter
+from clawflow.train.objective import Objective, sample_advantages
+from clawflow.train.teacher import teacher_prompt_ids
+
+
+EXIT_NO_SAMPLES = 3
+
+
+class InputError(Exception):
+    """Bad arguments or inputs; `code` is the process exit status."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Item:
+    """One trainable sample, ready to collate."""
+
+    index: int  # position in the sample file
+    prompt: list[int]
+    response: list[int]
+    rollout: list[float]
+    rl_adv: float
+    weight: float
+    teacher_prompt: list[int] | None  # hint-augmented prompt; None = no OPD term
+
+
+def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample], tokenizer,
+                  parent_version: int) -> tuple[list[Item], dict[str, int]]:
+    """The trainable items and counts of what was left out and why."""
+    if not samples:
+        return [], {"samples": 0}
+    gids: dict[str, int] = {}
+    group = torch.tensor([gids.setdefault(s.group_id, len(gids)) if s.group_id else -1 for s in samples])
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    versions = torch.tensor([s.policy_version for s in samples], dtype=torch.long)
+    rl_adv, weight = sample_advantages(cfg, rewards, group, versions, parent_version)
+    hinted = torch.tensor([bool(s.hint and s.messages) and objective.needs_teacher for s in samples])
+    active = objective.active(rl_adv, hinted, weight) & torch.tensor([bool(s.response_token_ids) for s in samples])
+    items = []
+    for i, s in enumerate(samples):
+        if not active[i]:
+            continue
+        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools) if hinted[i] else None
+        items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
+                          float(rl_adv[i]), float(weight[i]), teacher))
+    counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
+              "hint_without_messages": sum(1 for s in samples if s.hint and not s.messages),
+              "stale_dropped": int((weight == 0).sum())}
+    return items, counts
+
+
+def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int) -> tuple[list[Item], dict, list[str]]:
+    """Read the sample file and prepare its trainable items; InputError when there are none."""
+    if not batch.is_file():
+        raise InputError(f"batch file not found: {batch}")
+    samples = load_samples(batch)
+    objective = Objective.from_config(cfg)
+    tokenizer = None
+    if objective.needs_teacher and any(s.hint for s in samples):  # the base's chat template
+        from transformers import AutoTokenizer
+
+        from clawflow.train.lora import adapter_base
+
+        tokenizer = AutoTokenizer.from_pretrained(adapter_base(base) if is_adapter(base) else base)
+    items, counts = prepare_items(cfg, objective, samples, tokenizer, parent_version)
+    if not items:
+        raise InputError(f"no trainable samples in {batch}: {len(samples)} rows, none with a non-zero advantage "
+                         f"or a hint for objective {cfg.objective!r} ({counts})", code=EXIT_NO_SAMPLES)
+    return items, counts, [s.turn_id for s in samples if s.turn_id]
+
+
+def plan_steps(items: list[Item], step_tokens: int, seed: int) -> list[list[int]]:
+    """Optimizer steps as lists of item positions: one seeded shuffle, then greedy packing up to
+    `step_tokens` response tokens per step (a longer sample gets a step of its own)."""
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    steps: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in order:
+        n = len(items[i].response)
+        if current and tokens + n > step_tokens:
+            steps.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    if current:
+        steps.append(current)
+    return steps
+
+
+def rank_micro_batches(step: list[int], rank: int, world: int, micro_batch: int) -> list[list[int]]:
+    """This rank's share of a step in micro-batches; every rank gets the same number of them
+    (empty ones are padding: FSDP needs every rank in every forward and backward)."""
+    share = step[rank::world]
+    n = math.ceil(math.ceil(len(step) / world) / micro_batch)
+    micros = [share[k * micro_batch : (k + 1) * micro_batch] for k in range(n)]
+    return micros
+
+
+def collate_items(items: list[Item], pad_id: int) -> dict:
+    """`collate` plus the per-sample terms the objective reads (rl_adv, weight, has_hint [B])."""
+    b = collate([it.prompt for it in items], [it.response for it in items], pad_id, [it.rollout for it in items])
+    b["rl_adv"] = torch.tensor([it.rl_adv for it in items])
+    b["weight"] = torch.tensor([it.weight for it in items])
+    b["has_hint"] = torch.tensor([it.teacher_prompt is not None for it in items])
+    b["items"] = items
+    return b

@@ -1,0 +1,1 @@
+"""Prefect flows, one file per deployment."""

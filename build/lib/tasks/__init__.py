@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over `clawflow` with retries, names and logging."""

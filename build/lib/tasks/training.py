@@ -1,0 +1,166 @@
+"""Tasks of `train-on-new-feedback`. Each does one thing; retries where I/O can fail."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from clawflow import events, ops, registry
+from clawflow.config import Config
+from clawflow.feedback import judge_pairs, training_samples, write_samples
+from clawflow.judge import make_judge
+from clawflow.judge.stats import combine_reward, judge_stats
+from clawflow.judge.store import JudgmentStore
+from clawflow.models import base_model_dir
+from clawflow.store.catalog import Catalog
+from clawflow.train.launch import run_training
+
+
+def catalog(cfg: Config) -> Catalog:
+    return Catalog.for_config(cfg)
+
+
+@task(name="collect-batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def collect_batch(cfg: Config, max_turns: int) -> list[dict[str, Any]]:
+    """Unconsumed main turns that have a next state, oldest first, claimed for this flow run: a
+    retry of the run gets the same batch back, other runs skip it until it is committed."""
+    from prefect import runtime
+
+    claim = str(runtime.flow_run.id or f"manual-{uuid.uuid4().hex}")
+    pairs = catalog(cfg).select_batch(claim, max_turns, cfg.store.batch_max_tokens)
+    get_run_logger().info("%d turns with a next state are waiting", len(pairs))
+    return pairs
+
+
+@task(name="judge-turns", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      task_run_name="judge-{cfg.judge.backend}")
+def judge_turns(cfg: Config, pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Judgments of the turns the judge answered, stored under $CLAWFLOW_HOME/judgments and reused
+    per judge version; turns it could not answer are left out and judged on a later run."""
+    jc = cfg.judge
+    combine = partial(combine_reward, mode=jc.env_reward, weight=jc.env_reward_weight)
+    judgments = judge_pairs(make_judge(cfg), pairs, jc.concurrency, JudgmentStore(cfg.home), combine)
+    scores = [j["score"] for j in judgments]
+    log = get_run_logger()
+    log.info("judged %d of %d turns (%d reused): %d good, %d bad, %d neutral", len(scores), len(pairs),
+             sum(j["reused"] for j in judgments), scores.count(1), scores.count(-1), scores.count(0))
+    if len(judgments) < len(pairs):
+        log.warning("%d turns stay unjudged (judge unavailable); the next run judges them",
+                    len(pairs) - len(judgments))
+    return judgments
+
+
+@task(name="release-unjudged", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def release_unjudged(cfg: Config) -> int:
+    """Drop this run's claim on the turns it did not consume (unjudged), so the next run takes them
+    instead of waiting for the claim to expire."""
+    from prefect import runtime
+
+    return catalog(cfg).release(str(runtime.flow_run.id))
+
+
+@task(name="serving-policy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def current_policy(cfg: Config) -> tuple[int, str]:
+    """The champion (version, checkpoint) to train from, or the base model as version 0."""
+    return registry.champion(cfg) or (0, base_model_dir(cfg))
+
+
+@task(name="start-mlflow-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[dict], judgments: list[dict]) -> str:
+    scores = [j["score"] for j in judgments]
+    params = {"lr": cfg.train.lr, "epochs": cfg.train.epochs, "micro_batch": cfg.train.micro_batch,
+              "eps_low": cfg.train.eps_low, "eps_high": cfg.train.eps_high, "nproc": cfg.train.nproc,
+              "objective": cfg.train.objective, "teacher": cfg.train.teacher, "aggregation": cfg.train.aggregation,
+              "kl_beta": cfg.train.kl_beta, "tis_cap": cfg.train.tis_cap, "step_tokens": cfg.train.step_tokens,
+              "lora": cfg.train.lora.model_dump() if cfg.train.lora else None,
+              "judge": judgments[0]["judge"] if judgments else cfg.judge.backend,
+              "turns": len(pairs), "first_turn_at": pairs[0]["created_at"], "last_turn_at": pairs[-1]["created_at"],
+              "config": str(cfg.source_file)}
+    tags = {"clawflow.parent_version": str(parent), "clawflow.prefect_flow_run": flow_run,
+            "clawflow.reward_mean": f"{sum(scores) / max(len(scores), 1):.4f}"}
+    run_id = registry.start_run(cfg, f"train-from-v{parent}", params, tags)
+    registry.log_metrics(cfg, run_id, [], judge_stats(judgments, len(pairs)))
+    return run_id
+
+
+@task(name="train-policy", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
+      task_run_name="train-{run_id}", timeout_seconds=6 * 3600)
+def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, Any]],
+                 parent: int = 0) -> tuple[Path, dict]:
+    """torchrun subprocess from the champion `base` (its weights, and its AdamW state when saved);
+    the checkpoint appears atomically at $CLAWFLOW_HOME/checkpoints/<run_id>. A retry after an
+    interruption resumes the run from `<run_id>.resume`. Step metrics go to the MLflow run."""
+    run_dir = cfg.home / "runs" / run_id
+    batch = write_samples(samples, run_dir / "samples.parquet")
+    out = cfg.home / "checkpoints" / run_id
+    done = out / "train_metrics.json"
+    if done.exists():  # a retry after the checkpoint was written: reuse it, don't train twice
+        metrics = json.loads(done.read_text())
+    else:
+        needs_base = cfg.train.teacher == "base" or cfg.train.kl_beta > 0  # the frozen base: teacher / KL ref
+        metrics = run_training(cfg.source_file, cfg, Path(base), batch, out, parent_version=parent,
+                               frozen_base=base_model_dir(cfg) if needs_base else None)
+    registry.log_metrics(cfg, run_id, metrics.get("per_step", []),
+                         {k: v for k, v in metrics.items() if k != "per_step"})
+    return out, metrics
+
+
+@task(name="register-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def register(cfg: Config, run_id: str, checkpoint: Path, parent: int, turns: int, reward_mean: float) -> int:
+    version = registry.register_checkpoint(
+        cfg, run_id, checkpoint,
+        {"parent_version": str(parent), "turns": str(turns), "reward_mean": f"{reward_mean:.4f}"})
+    registry.end_run(cfg, run_id)
+    events.emit(events.POLICY_REGISTERED, f"clawflow.policy.{cfg.model.name}.v{version}",
+                {"version": version, "run_id": run_id, "path": str(checkpoint)})
+    return version
+
+
+@task(name="promote-champion", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def promote(cfg: Config, version: int) -> int | None:
+    previous = registry.promote(cfg, version)
+    events.emit(events.POLICY_PROMOTED, f"clawflow.policy.{cfg.model.name}.v{version}",
+                {"version": version, "previous": previous})
+    return previous
+
+
+@task(name="commit-consumption", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=2)
+def commit_consumption(cfg: Config, turn_ids: list[str], run_id: str, version: int) -> int:
+    """Exactly-once: turns are marked consumed together with the version they produced."""
+    return catalog(cfg).commit_consumed(turn_ids, run_id, version)
+
+
+@task(name="maintain-store", cache_policy=NO_CACHE)
+def maintain_store(cfg: Config) -> dict[str, Any]:
+    """Retention (never untrained turns, nor those of registered versions), then compaction.
+    Best effort: a failure is logged and retried by the next run, never fails this one."""
+    from clawflow.store.maintenance import apply_retention, compact
+
+    s = cfg.store
+    try:
+        kept = [v["version"] for v in registry.list_versions(cfg)]
+        retention = apply_retention(catalog(cfg), s.retention_days, s.retention_max_bytes, kept,
+                                    row_group_rows=s.row_group_rows)
+        merged = compact(catalog(cfg), s.compaction_target_bytes, s.row_group_rows)
+    except Exception as exc:  # noqa: BLE001 - maintenance must not undo a committed training
+        get_run_logger().warning("store maintenance failed, next run retries: %s", exc)
+        return {"error": str(exc)}
+    return {"turns_deleted": retention.deleted, "shards_compacted": sum(c.inputs for c in merged)}
+
+
+@task(name="reload-gateway", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=3,
+      task_run_name="reload-v{version}")
+def reload_gateway(cfg: Config, version: int, checkpoint: str) -> bool:
+    """Tell the gateway to serve `version`. A gateway that is down is not an error: it starts on
+    the champion next time."""
+    if ops.reload_gateway(cfg, version, checkpoint) is None:
+        get_run_logger().warning("gateway at %s is not running; it will load v%d when it starts",
+                                 cfg.gateway_url, version)
+        return False
+    return True

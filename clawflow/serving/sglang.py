@@ -1,0 +1,170 @@
+"""The SGLang engine: the embedded engine's interface over an SGLang server's native HTTP API.
+
+SGLang pins its own torch/transformers and needs CUDA (its CPU backend needs AMX), so it runs as
+its own server process and clawflow never imports it. Tokens in, tokens out: the gateway applies
+the chat template here and sends `input_ids` to `/generate` with `return_logprob`, so the recorded
+ids and logprobs are SGLang's own (`meta_info.output_token_logprobs`, `[logprob, token_id, _]`;
+SGLang computes them from the raw logits, before temperature/top-p, like the torch engine).
+Reload is `/update_weights_from_disk` with `weight_version`; a LoRA adapter directory is loaded
+with `/load_lora_adapter` and named in later requests' `lora_path`. A request's version is the
+`weight_version` SGLang reports for it; SGLang by default waits for in-flight requests before it
+swaps weights, so a reply is never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from clawflow.serving.batcher import QueueFull
+from clawflow.serving.engine import Generation, ReloadError, SamplingParams, TokenCallback
+
+
+class SGLangEngine:
+    def __init__(self, url: str, model_path: str, version: int = 0, max_batch: int = 32, max_queue: int = 64,
+                 timeout_s: float = 600.0):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.url = url.rstrip("/")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._ctx = int(getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 2048))
+        self._version, self._path, self._lora = version, str(model_path), None
+        self._http = httpx.Client(timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="clawflow-sglang")
+        self._limit, self._outstanding, self._lock = max_batch + max_queue, 0, threading.Lock()
+        self.eos_ids = {self.tokenizer.eos_token_id}
+
+    # -- the engine interface (see TorchEngine) ---------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def model_path(self) -> str:
+        return self._path
+
+    @property
+    def context_length(self) -> int:
+        return self._ctx
+
+    @property
+    def queue_depth(self) -> int:
+        return max(self._outstanding - self._pool._max_workers, 0)
+
+    @property
+    def active(self) -> int:
+        return min(self._outstanding, self._pool._max_workers)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Future:
+        with self._lock:
+            if self._outstanding >= self._limit:
+                raise QueueFull(f"server busy: {self._outstanding} requests outstanding")
+            self._outstanding += 1
+        fut = self._pool.submit(self._generate, list(prompt_ids), params, on_token)
+        fut.add_done_callback(lambda _: self._release())
+        return fut
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Generation:
+        return self.submit(prompt_ids, params, on_token).result()
+
+    def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """Logprobs of a fixed reply: a 1-token generate that returns the input's logprobs."""
+        body = {"input_ids": prompt_ids + response_ids, "return_logprob": True,
+                "logprob_start_len": len(prompt_ids) - 1, "sampling_params": {"max_new_tokens": 1},
+                **self._lora_field()}
+        meta = self._post("/generate", body)["meta_info"]
+        lps = [e[0] for e in meta["input_token_logprobs"]]
+        return lps[-len(response_ids):]
+
+    def reload(self, path: str, version: int) -> float:
+        import time
+
+        t0 = time.perf_counter()
+        if (Path(path) / "adapter_config.json").is_file():
+            name = f"v{version}"
+            self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, ReloadError)
+            self._lora = (name, version)
+        else:
+            self._post("/update_weights_from_disk",
+                       {"model_path": str(path), "weight_version": str(version)}, ReloadError)
+            self._lora = None
+        self._version, self._path = version, str(path)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def _release(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    def _lora_field(self, lora: tuple[str, int] | None = None) -> dict:
+        lora = lora or self._lora
+        return {"lora_path": lora[0]} if lora else {}
+
+    def _post(self, route: str, body: dict, error: type[Exception] = RuntimeError) -> dict:
+        try:
+            r = self._http.post(self.url + route, json=body)
+        except httpx.HTTPError as exc:
+            raise error(f"SGLang server {self.url} unreachable: {exc}") from exc
+        out = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code != 200 or out.get("success") is False:
+            raise error(f"SGLang {route} failed ({r.status_code}): {out.get('message') or r.text[:200]}")
+        return out
+
+    def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None) -> Generation:
+        version, lora = self._version, self._lora  # SGLang's own weight_version wins when it reports one
+        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                    "top_p": params.top_p, "stop": params.stop or None, "no_stop_trim": False}
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        body = {"input_ids": prompt_ids, "sampling_params": sampling, "return_logprob": True, "stream": True,
+                "top_logprobs_num": params.top_logprobs, **self._lora_field(lora)}
+        ids: list[int] = []
+        lps: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        meta: dict = {}
+        with self._http.stream("POST", self.url + "/generate", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"SGLang /generate failed ({r.status_code}): {r.read()[:200]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                meta = json.loads(line[5:])["meta_info"]
+                new = _new_entries(meta.get("output_token_logprobs") or [], len(ids), meta["completion_tokens"])
+                new_tops = _new_entries(meta.get("output_top_logprobs") or [], len(tops), meta["completion_tokens"])
+                for lp, tok, *_ in new:
+                    ids.append(int(tok))
+                    lps.append(float(lp))
+                    if on_token is not None and not on_token(int(tok), float(lp), self.decode(ids)):
+                        return Generation(ids, lps, self.decode(ids), "abort", version,
+                                          tops)  # leaving the stream aborts the request in SGLang
+                tops.extend([[(int(t), float(v)) for v, t, *_ in (e or [])] for e in new_tops])
+        finish = (meta.get("finish_reason") or {}).get("type", "length")
+        text = self.decode(ids)
+        if finish == "stop" and params.stop:
+            cuts = [text.index(s) for s in params.stop if s in text]
+            text = text[: min(cuts)] if cuts else text
+        reported = str(meta.get("weight_version") or "")
+        if lora is None and reported.isdigit():  # with an adapter, the adapter is the version
+            version = int(reported)
+        return Generation(ids, lps, text, finish if finish in ("stop", "length", "abort") else "stop", version, tops)
+
+
+def _new_entries(entries: list, have: int, completion_tokens: int) -> list:
+    """SGLang streams cumulative lists by default, increments with `--incremental-streaming-output`."""
+    return entries[have:] if len(entries) == completion_tokens else entries

@@ -1,0 +1,83 @@
+"""Crash-safe replacement of several shards by others (compaction), rolled forward after a crash.
+
+Replacing N files by M cannot be one rename. The new shards are first written as fsynced temp
+files; then a journal naming outputs and inputs is made durable (the commit point); then the temp
+files are renamed into place and the inputs deleted; then the journal is removed. A crash before
+the journal exists leaves only temp files (deleted at recovery); a crash after it is finished by
+`recover`, so no turn is lost and none stays duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from clawflow.store.shards import TMP_SUFFIX, remove_stale_temps
+from clawflow.store.wal import fsync_dir
+
+log = logging.getLogger("clawflow.store.journal")
+
+DIR = "store-journal"
+
+
+def replace_shards(home: Path, outputs: list[Path], inputs: list[Path]) -> None:
+    """Swap `inputs` for `outputs`, whose contents are already written at `<output>.tmp` (fsynced)."""
+    home = Path(home)
+    jdir = home / DIR
+    jdir.mkdir(parents=True, exist_ok=True)
+    entry = {"outputs": [str(Path(p).relative_to(home)) for p in outputs],
+             "inputs": [str(Path(p).relative_to(home)) for p in inputs]}
+    journal = jdir / f"{uuid.uuid4().hex}.json"
+    tmp = journal.with_name(journal.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        json.dump(entry, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, journal)
+    fsync_dir(jdir)  # committed: from here on, recovery finishes the swap
+    _finish(home, journal, entry)
+
+
+def _finish(home: Path, journal: Path, entry: dict) -> None:
+    dirs = set()
+    for rel in entry["outputs"]:
+        final = home / rel
+        staged = final.with_name(final.name + TMP_SUFFIX)
+        if staged.exists():
+            os.replace(staged, final)
+        elif not final.exists():
+            log.error("journal %s: output %s is missing; keeping its inputs", journal.name, rel)
+            journal.unlink()
+            return
+        dirs.add(final.parent)
+    for rel in entry["inputs"]:
+        (home / rel).unlink(missing_ok=True)
+        dirs.add((home / rel).parent)
+    for d in dirs:
+        if d.exists():
+            fsync_dir(d)
+    journal.unlink()
+    fsync_dir(journal.parent)
+
+
+def recover(home: Path) -> int:
+    """Finish swaps a crash interrupted, then drop orphan temp files (call under the store lock)."""
+    home = Path(home)
+    jdir = home / DIR
+    done = 0
+    for journal in sorted(jdir.glob("*.json")) if jdir.is_dir() else []:
+        try:
+            entry = json.loads(journal.read_text())
+        except ValueError:
+            journal.unlink()  # torn before its rename: never committed
+            continue
+        log.warning("finishing an interrupted shard replacement (%s)", journal.name)
+        _finish(home, journal, entry)
+        done += 1
+    for tmp in jdir.glob(f"*{TMP_SUFFIX}") if jdir.is_dir() else []:
+        tmp.unlink()
+    remove_stale_temps(home / "shards")
+    return done

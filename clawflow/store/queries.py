@@ -1,0 +1,146 @@
+"""Catalog queries, as SQL with one job each, on the `turn_keys` index and the shards.
+
+Pairing (turn t with its next state) joins main turns on (session, index + 1), taking the
+first-created turn t + 1 when there are several; side traffic is never anyone's next state. A
+batch is chosen on the keys (oldest pending turns that have a next turn, then the token budget),
+then the full rows of the chosen turns and of their next turns are read from the few shards
+that hold them. Judgments (the judge's `$CLAWFLOW_HOME/judgments/*.parquet`) join by turn id;
+a missing directory means no judgments.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+
+if TYPE_CHECKING:
+    from clawflow.store.catalog import Catalog
+
+_PENDING = """
+WITH m AS (SELECT * FROM turn_keys WHERE turn_type = 'main'),
+pending AS (SELECT * FROM m
+            WHERE NOT EXISTS (SELECT 1 FROM consumed AS c WHERE c.turn_id = m.turn_id)
+              AND NOT EXISTS (SELECT 1 FROM claims AS k WHERE k.turn_id = m.turn_id)),
+pairs AS (SELECT * FROM {source} AS p
+          WHERE EXISTS (SELECT 1 FROM m AS n WHERE n.session_id = p.session_id AND n.turn_index = p.turn_index + 1))
+"""
+
+_BATCH = _PENDING + """,
+cand AS (SELECT * FROM pairs WHERE {where} ORDER BY created_at, turn_id LIMIT $max_turns),
+b AS (SELECT *, sum(tokens) OVER w AS cum, row_number() OVER w AS rn FROM cand
+      WINDOW w AS (ORDER BY created_at, turn_id ROWS UNBOUNDED PRECEDING)),
+chosen AS (SELECT * FROM b WHERE {budget}),
+nxt AS (SELECT n.session_id, n.turn_index - 1 AS prev_index,
+               arg_min(n.turn_id, (n.created_at, n.turn_id)) AS next_id,
+               arg_min(n.path, (n.created_at, n.turn_id)) AS next_path
+        FROM m AS n SEMI JOIN chosen AS c ON n.session_id = c.session_id AND n.turn_index = c.turn_index + 1
+        GROUP BY n.session_id, n.turn_index)
+SELECT c.turn_id, nxt.next_id, c.path, nxt.next_path FROM chosen AS c
+JOIN nxt ON nxt.session_id = c.session_id AND nxt.prev_index = c.turn_index
+ORDER BY c.created_at, c.turn_id
+"""
+
+
+def _first_role(next_state: str | None) -> str | None:
+    try:
+        messages = json.loads(next_state) if next_state else None
+        return messages[0].get("role") if messages else None
+    except (ValueError, AttributeError, TypeError, KeyError):
+        return None
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    cur = con.execute(sql, params)
+    rows = cur.fetchall()
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in rows]
+
+
+def full_rows(cat: Catalog, con: duckdb.DuckDBPyConnection, ids: list[str], paths: set[str]) -> dict[str, dict]:
+    """Complete turn rows by id, read from the shards (relative paths) that hold them."""
+    src = cat.turns_from(con, only=sorted(paths))
+    if src is None or not ids:
+        return {}
+    turns, params = src
+    rows = _rows(con, f"SELECT * FROM {turns} WHERE list_contains($ids, turn_id)", {**params, "ids": ids})
+    return {r["turn_id"]: r for r in rows}
+
+
+def batch(cat: Catalog, con: duckdb.DuckDBPyConnection, max_turns: int, max_tokens: int | None = None,
+          current_version: int | None = None, max_staleness: int | None = None,
+          only_ids: list[str] | None = None) -> list[dict[str, Any]]:
+    """Pending pairs oldest first (or exactly the turns `only_ids`, e.g. a run's claim)."""
+    if max_turns <= 0:
+        return []
+    where, budget = ["true"], "true"
+    params: dict[str, Any] = {"max_turns": max_turns}
+    if only_ids is not None:
+        where.append("list_contains($only, turn_id)")
+        params["only"] = only_ids
+    if current_version is not None and max_staleness is not None:
+        where.append("$current - policy_version <= $staleness")
+        params.update(current=current_version, staleness=max_staleness)
+    if max_tokens is not None:
+        budget = "cum <= $max_tokens OR rn = 1"
+        params["max_tokens"] = max_tokens
+    sql = _BATCH.format(source="m" if only_ids is not None else "pending", where=" AND ".join(where), budget=budget)
+    keys = con.execute(sql, params).fetchall()
+    if not keys:
+        return []
+    rows = full_rows(cat, con, [k[0] for k in keys] + [k[1] for k in keys], {k[2] for k in keys} | {k[3] for k in keys})
+    pairs = []
+    for turn_id, next_id, _, _ in keys:
+        pair = dict(rows[turn_id])
+        pair["next_state"] = rows[next_id]["new_messages"]
+        pair["next_role"] = _first_role(pair["next_state"])
+        pairs.append(pair)
+    return pairs
+
+
+def closed_without_next_state(cat: Catalog, con: duckdb.DuckDBPyConnection, idle_s: float,
+                              now: datetime) -> list[dict[str, Any]]:
+    sql = _PENDING.format(source="pending") + """
+        SELECT p.turn_id, p.path FROM pending AS p
+        WHERE NOT EXISTS (SELECT 1 FROM m AS n WHERE n.session_id = p.session_id AND n.turn_index = p.turn_index + 1)
+          AND (p.session_done OR p.created_at < $idle_before)
+        ORDER BY p.created_at, p.turn_id"""
+    keys = con.execute(sql, {"idle_before": now - timedelta(seconds=idle_s)}).fetchall()
+    rows = full_rows(cat, con, [k[0] for k in keys], {k[1] for k in keys})
+    return [rows[k[0]] for k in keys]
+
+
+def judgments_from(home: Path, judge: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Latest judgment per turn (score), from the judge's Parquet files; empty when there are none."""
+    files = sorted(str(p) for p in (Path(home) / "judgments").glob("*.parquet"))
+    if not files:
+        return "(SELECT NULL::VARCHAR AS turn_id, NULL::TINYINT AS score WHERE false)", {}
+    where = "WHERE judge = $judge" if judge else ""
+    sql = (f"(SELECT turn_id, arg_max(score, created_at) AS score FROM read_parquet($judgment_files, "
+           f"union_by_name = true) {where} GROUP BY turn_id)")
+    return sql, {"judgment_files": files, **({"judge": judge} if judge else {})}
+
+
+def version_stats(cat: Catalog, con: duckdb.DuckDBPyConnection, judge: str | None) -> list[dict[str, Any]]:
+    judged, params = judgments_from(cat.home, judge)
+    sql = f"""
+        SELECT t.policy_version, count(*) AS turns, count(*) FILTER (WHERE t.turn_type = 'main') AS main_turns,
+               count(j.score) AS judged, avg(j.score)::DOUBLE AS mean_reward, count(c.turn_id) AS consumed,
+               sum(t.tokens)::BIGINT AS tokens
+        FROM turn_keys AS t LEFT JOIN {judged} AS j USING (turn_id) LEFT JOIN consumed AS c USING (turn_id)
+        GROUP BY t.policy_version ORDER BY t.policy_version"""
+    return _rows(con, sql, params)
+
+
+def stats(cat: Catalog, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    consumed = con.execute("SELECT count(*) FROM consumed").fetchall()[0][0]
+    claimed = con.execute("SELECT count(*) FROM claims").fetchall()[0][0]
+    shards = con.execute("SELECT count(*) FROM shards").fetchall()[0][0]
+    turns = con.execute("SELECT count(*) FROM turn_keys").fetchall()[0][0]
+    pending = con.execute(_PENDING.format(source="pending") + "SELECT count(*) FROM pairs").fetchall()[0][0]
+    last = _rows(con, "SELECT * FROM runs ORDER BY finished_at DESC LIMIT 1", {})
+    return {"shards": shards, "turns": turns, "consumed": consumed, "claimed": claimed,
+            "pending": pending, "last_run": last[0] if last else None}
