@@ -1,1 +1,0 @@
-"""OpenAI-compatible gateway: protocol models, engines, session inference, router."""

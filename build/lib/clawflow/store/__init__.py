@@ -1,1 +1,0 @@
-"""Trajectory store: write-ahead segments, Parquet shards, the DuckDB catalog."""

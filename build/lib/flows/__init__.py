@@ -1,1 +1,0 @@
-"""Prefect flows, one file per deployment."""

@@ -1,1 +1,0 @@
-"""Prefect tasks: thin wrappers over `clawflow` with retries, names and logging."""
