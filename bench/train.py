@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import tempfile
@@ -99,6 +100,7 @@ def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing
     recipe.train()
     seconds = [(r["seconds"], r["cpu_seconds"]) for r in recipe.history[1:]]
     recipe.cleanup()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the recipe's resumable-stop handler
     del recipe
     return seconds
 

@@ -5,8 +5,8 @@ to the root (torchtune's recipe), so each layer's weights are all-gathered just 
 forward and backward. gloo on CPU, NCCL on GPU; on GPU parameters compute in bf16 with fp32
 master weights and fp32 gradient reduction (`MixedPrecisionPolicy`). The CPU path is the same
 FSDP2 code under gloo, in fp32 (bf16 is slower than fp32 on CPUs without native bf16 and AdamW
-updates at small lr round away). One process on CPU is not sharded: a one-rank mesh only adds
-DTensor overhead to every optimizer step (see bench/train.py).
+updates at small lr round away). One process on CPU is not sharded (a one-rank mesh has
+nothing to shard; the step math is the same, checked by the 2-rank test against it).
 
 State dicts leave FSDP as full tensors on CPU (`get_model_state_dict(full_state_dict=True,
 cpu_offload=True)`): all ranks take part, rank 0 gets the tensors and writes them.
