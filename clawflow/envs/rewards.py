@@ -9,7 +9,6 @@ a sampled group that share both, the reply's text.
 
 from __future__ import annotations
 
-import os
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from clawflow.store.shards import write_parquet_atomic
 
 SCHEMA = pa.schema([
     ("session_id", pa.string()),
@@ -38,12 +39,8 @@ def write_env_rewards(home: Path, rows: list[dict[str, Any]]) -> Path | None:
         return None
     now = datetime.now(UTC)
     table = pa.Table.from_pylist([{**r, "created_at": r.get("created_at", now)} for r in rows], schema=SCHEMA)
-    out_dir = rewards_dir(home)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{uuid.uuid4().hex}.parquet"
-    tmp = out_dir / f".{path.name}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    path = rewards_dir(home) / f"{uuid.uuid4().hex}.parquet"
+    write_parquet_atomic(table, path)  # the store's temp → fsync → rename → fsync dir
     return path
 
 

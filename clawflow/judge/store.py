@@ -8,7 +8,6 @@ the judge could not answer is simply absent, and is judged on a later run.
 
 from __future__ import annotations
 
-import os
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from clawflow.store.shards import write_parquet_atomic
 
 SCHEMA = pa.schema([
     ("turn_id", pa.string()),
@@ -46,19 +47,9 @@ class JudgmentStore:
         now = datetime.now(UTC)
         table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} | {"created_at": r.get("created_at") or now}
                                       for r in rows], schema=SCHEMA)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        name = f"{now:%Y%m%dT%H%M%S%f}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / name)
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return self.dir / name
+        path = self.dir / f"{now:%Y%m%dT%H%M%S%f}-{uuid.uuid4().hex[:8]}.parquet"
+        write_parquet_atomic(table, path)  # the store's temp → fsync → rename → fsync dir
+        return path
 
     def lookup(self, turn_ids: list[str], judge: str, judge_version: str) -> dict[str, dict[str, Any]]:
         """Stored judgments of `turn_ids` by this judge version (latest wins), by turn id."""
