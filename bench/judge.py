@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import statistics
 import time
 
@@ -24,6 +26,7 @@ from clawflow.judge.dataset import load_labelled
 from clawflow.judge.evaluate import evaluate
 
 LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
+SECOND_BATCH = re.compile(r"^[a-z]+2-\d+$")  # items added after the first test score (configs/judge/README.md)
 
 
 def latencies(judge, items, repeat: int) -> tuple[list[float], list[float]]:
@@ -71,8 +74,11 @@ def main() -> None:
         embedded.encoder.threads = threads  # judge.embedded.threads (default 1)
         ms = latencies(embedded, test, args.repeat)
         print(row(f"embedded ({threads} thread{'s' if threads > 1 else ''})", evaluate(embedded, test), ms, base))
+    first = [i for i in test if not SECOND_BATCH.match(i.id)]
+    r = evaluate(embedded, first)
+    print(f"embedded on the first batch's {len(first)} test items: {r.accuracy:.3f} ({r.correct}/{r.n})")
     print(f"embedded judge load (MiniLM + head): {load_s:.1f} s; load average now "
-          f"{' '.join(f'{x:.1f}' for x in __import__('os').getloadavg())} on {__import__('os').cpu_count()} cores")
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

@@ -48,11 +48,28 @@ def up(config: Optional[Path] = ConfigOpt) -> None:
 
     cfg = _cfg(config)
     try:
+        stack.check_ports(cfg)
+        _provision(cfg)
         stack.up(cfg, echo=console.print)
     except (RuntimeError, TimeoutError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
     console.print("stack is up; stop it with [bold]clawflow down[/bold] (or make down)")
+
+
+def _provision(cfg) -> None:
+    """The base model on disk and registered as the first version, with a progress display (the
+    first start converts the GGUF: about a minute; later starts take seconds)."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from clawflow import ops
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        task = bar.add_task(f"base model {cfg.model.name} (the first start converts it, ~1 min)", total=None)
+        version, path = ops.provision(cfg)
+        bar.update(task, total=1, completed=1, description=f"base model ready: {path}")
+    console.print(f"base model registered as v{version} (`clawflow rollback {version}` returns to it)")
 
 
 @app.command()

@@ -21,8 +21,9 @@ def register(app: typer.Typer, load, config_opt) -> None:
         raise typer.Exit(1)
 
     @app.command()
-    def train(config: Optional[Path] = config_opt) -> None:
-        """Start a train-on-new-feedback run now (through the Prefect deployment)."""
+    def train(config: Optional[Path] = config_opt,
+              wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the run until it ends")) -> None:
+        """Start a train-on-new-feedback run now (through the Prefect deployment) and follow it."""
         import httpx
 
         from clawflow.stack import service_env
@@ -39,6 +40,39 @@ def register(app: typer.Typer, load, config_opt) -> None:
             _fail(f"Prefect API at {api} not reachable ({exc.__class__.__name__}); is the stack up?")
         ui = api.removesuffix("/api")
         console.print(f"flow run {run['name']} scheduled: {ui}/runs/flow-run/{run['id']}")
+        if wait:
+            follow_run(api, run["id"])
+
+    def follow_run(api: str, run_id: str) -> None:
+        """A progress bar (the run's training-progress artifact) and a line per finished task."""
+        import httpx
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        from clawflow import runwatch
+
+        printed: set[str] = set()
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task("waiting for a worker", total=100)
+
+            def show(snap: runwatch.Snapshot) -> None:
+                for name, state in snap.tasks:
+                    if state in ("Completed", "Failed", "Crashed", "Cached") and name not in printed:
+                        printed.add(name)
+                        mark = "[green]✓[/green]" if state in ("Completed", "Cached") else "[red]✗[/red]"
+                        bar.console.print(f"{mark} {name} {state.lower()}")
+                running = [n for n, st in snap.tasks if st in ("Running", "Retrying", "AwaitingRetry")]
+                what = snap.phase or snap.state_name
+                bar.update(task, completed=snap.percent or 0,
+                           description=f"{snap.state_name}: {what}" + (f" ({running[-1]})" if running else ""))
+
+            try:
+                final = runwatch.follow(api, run_id, show)
+            except httpx.HTTPError as exc:
+                _fail(f"lost the Prefect API while following the run ({exc.__class__.__name__})")
+        if final.state_type != "COMPLETED":
+            _fail(f"run {final.name} ended {final.state_name}: {final.message or 'see the Prefect UI'}")
+        console.print(f"run {final.name} completed: {final.phase or ''}")
 
     @app.command()
     def versions(config: Optional[Path] = config_opt) -> None:
@@ -57,22 +91,44 @@ def register(app: typer.Typer, load, config_opt) -> None:
 
     @app.command()
     def compare(a: str, b: str, config: Optional[Path] = config_opt) -> None:
-        """Probe-set drift between versions A and B (numbers or aliases), both directions."""
+        """Versions A and B (numbers or aliases) on the probe set: drift both ways on the fixed
+        prompts, and the log-likelihood margin of B over A on recent held-out judged turns."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
         from clawflow import registry
-        from clawflow.gate import nonfinite_tensors, probe_drift
+        from clawflow.gate import drift, judged_probe, load_pair, nonfinite_tensors
+        from clawflow.holdout import held_out_turns
+        from clawflow.store.catalog import Catalog
 
         cfg = load(config)
         try:
             (va, pa), (vb, pb) = registry.resolve(cfg, a), registry.resolve(cfg, b)
         except LookupError as exc:
             _fail(str(exc))
+        g = cfg.gate
+        try:
+            judged = held_out_turns(Catalog.for_config(cfg), g.judged_probes, [], g.holdout_fraction)
+        except Exception as exc:  # noqa: BLE001 - no store / a locked catalog: compare on the prompts alone
+            console.print(f"[yellow]held-out turns unavailable[/yellow] ({exc.__class__.__name__}); prompts only")
+            judged = []
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("loading both models", total=2 * len(g.probes) + 2 * len(judged))
+            step = lambda: bar.advance(task)  # noqa: E731
+            tok, ma, mb = load_pair(pa, pb)
+            bar.update(task, description=f"v{va} → v{vb} on {len(g.probes)} prompts")
+            ab = drift(tok, ma, mb, g.probes, g.max_new_tokens, step)
+            bar.update(task, description=f"v{vb} → v{va} on {len(g.probes)} prompts")
+            ba = drift(tok, mb, ma, g.probes, g.max_new_tokens, step)
+            bar.update(task, description=f"{len(judged)} held-out judged turns")
+            margins = judged_probe(tok, ma, mb, judged, g.max_probe_tokens, step)
         table = Table("", f"v{va} → v{vb}", f"v{vb} → v{va}")
-        with console.status("evaluating on the probe prompts..."):
-            ab = probe_drift(pa, pb, cfg.gate.probes, cfg.gate.max_new_tokens)
-            ba = probe_drift(pb, pa, cfg.gate.probes, cfg.gate.max_new_tokens)
         for key in ab:
             table.add_row(key, f"{ab[key]:.4f}", f"{ba[key]:.4f}")
         table.add_row("non-finite tensors", str(len(nonfinite_tensors(pa))), str(len(nonfinite_tensors(pb))))
+        for key, value in margins.items():  # B − A; the reverse is the negation
+            table.add_row(key, f"{value:+.4f}" if key.endswith("delta") else f"{value:.0f}",
+                          f"{-value:+.4f}" if key.endswith("delta") else f"{value:.0f}")
         console.print(table)
 
     @app.command()

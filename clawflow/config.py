@@ -202,6 +202,14 @@ class GateConfig(_Strict):
     max_kl: float = 0.25  # nats/token, KL(champion ‖ candidate) on the champion's probe replies
     max_nll_increase: float = 0.25  # nats/token on those replies
     max_new_tokens: int = 24
+    # Held-out judged turns (clawflow/holdout.py): this share of turns (by turn-id hash) is judged
+    # but never trained on; the gate scores the newest `judged_probes` of each sign (+1, −1) and
+    # rejects a candidate whose log-likelihood of good replies falls (bad ones rises) by more than
+    # `judged_margin` nats/token vs the champion. 0: recent judged turns outside the batch.
+    holdout_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # opt-in; configs/default.yaml: 0.1
+    judged_probes: int = Field(16, ge=0)
+    judged_margin: float = Field(0.1, ge=0.0)
+    max_probe_tokens: int = Field(1024, ge=2)  # prompt + reply tokens per judged turn (prompt cut from the left)
     probes: list[str] = Field(default_factory=lambda: [
         "What is the capital of France?",
         "Write one sentence about the ocean.",
@@ -226,6 +234,12 @@ class ServicesConfig(_Strict):
     # (rendered into the deployment's trigger by `clawflow up`); runs are serial either way.
     train_trigger_threshold: int = Field(1, ge=1)
     train_trigger_within_s: float = Field(0.0, ge=0)
+    # Always-on restarts (clawflow/restarts.py): n consecutive failures within the window delay the
+    # next automatic restart by backoff·2^(n−1) (≤ max); at max_failures restarts stop.
+    restart_max_failures: int = Field(5, ge=1)
+    restart_window_s: float = Field(900.0, gt=0)
+    restart_backoff_s: float = Field(5.0, ge=0)
+    restart_backoff_max_s: float = Field(120.0, ge=0)
 
 
 class EnvConfig(_Strict):

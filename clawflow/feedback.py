@@ -73,16 +73,23 @@ def judge_pairs(judge: Judge, pairs: list[dict[str, Any]], concurrency: int = 8,
 
 
 def training_samples(pairs: list[dict[str, Any]], judgments: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Judged turns with a non-zero reward (binary RL) or a hint (OPD) become samples; unjudged
-    turns wait for a later run."""
+    """Judged turns with a non-zero reward (binary RL) or a hint (OPD) become samples, and every
+    member of a group whose rewards differ (a zero is below or above its siblings: GRPO needs the
+    whole group); unjudged turns wait for a later run."""
     by_id = {j["turn_id"]: j for j in judgments}
+    group_rewards: dict[str, set[float]] = {}
+    for p in pairs:
+        if p.get("group_id") and p["turn_id"] in by_id:
+            j = by_id[p["turn_id"]]
+            group_rewards.setdefault(p["group_id"], set()).add(float(j.get("reward", j["score"])))
     out = []
     for p in pairs:
         j = by_id.get(p["turn_id"])
         if j is None:
             continue
         reward = float(j.get("reward", j["score"]))
-        if (reward != 0 or j.get("hint")) and len(p["response_token_ids"]) > 0:
+        varied = len(group_rewards.get(p.get("group_id") or "", ())) > 1
+        if (reward != 0 or j.get("hint") or varied) and len(p["response_token_ids"]) > 0:
             out.append({"turn_id": p["turn_id"], "prompt_token_ids": list(p["prompt_token_ids"]),
                         "response_token_ids": list(p["response_token_ids"]),
                         "response_logprobs": list(p["response_logprobs"]), "reward": reward, "hint": j.get("hint"),

@@ -6,19 +6,28 @@ Checks, cheapest first:
    models; the mean per-token KL(champion ‖ candidate) over those positions must stay under
    `gate.max_kl`, and the candidate's NLL of those replies may not rise by more than
    `gate.max_nll_increase` nats/token. Training on a few turns should nudge the policy, not
-   rewrite how it answers unrelated prompts; a degraded or diverged checkpoint fails here.
+   rewrite how it answers unrelated prompts; a degraded or diverged checkpoint fails here;
+3. held-out judged turns (clawflow/holdout.py picks them: recent, judged, not in the candidate's
+   batch): the mean per-token log-likelihood of each recorded reply under both models. On replies
+   the judge scored +1 the candidate may not fall below the champion by more than
+   `gate.judged_margin` nats/token, on replies scored −1 it may not rise above it by more.
+   A policy that learned the opposite of its users' feedback fails here, even with small drift.
 
-Simplification: no fresh-reply judging (a fresh reply has no next state to judge); the probe
-set is fixed prompts from config.
+Simplification: no fresh-reply judging (a fresh reply has no next state to judge); judged turns
+are scored by likelihood of their recorded reply, which needs no judge at gate time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from clawflow.config import GateConfig
+
+Step = Callable[[], None]
 
 
 @dataclass
@@ -42,14 +51,44 @@ def nonfinite_tensors(model_dir: str | Path) -> list[str]:
     return bad
 
 
-def probe_drift(champion_dir: str, candidate_dir: str, prompts: list[str], max_new_tokens: int) -> dict[str, float]:
-    """Mean per-token KL(champion ‖ candidate) and NLL change on the champion's greedy replies."""
+def judged_margins(champion_lp: Sequence[float], candidate_lp: Sequence[float],
+                   scores: Sequence[int]) -> dict[str, float]:
+    """Mean (candidate − champion) per-token log-likelihood over held-out replies judged +1 and −1.
+
+    Pure: inputs are one mean log-likelihood per turn under each model and the judge's score."""
+    pos = [k - c for c, k, s in zip(champion_lp, candidate_lp, scores, strict=True) if s > 0]
+    neg = [k - c for c, k, s in zip(champion_lp, candidate_lp, scores, strict=True) if s < 0]
+    return {"judged_pos": float(len(pos)), "judged_neg": float(len(neg)),
+            "judged_pos_delta": sum(pos) / len(pos) if pos else 0.0,
+            "judged_neg_delta": sum(neg) / len(neg) if neg else 0.0}
+
+
+def judged_verdict(m: dict[str, float], margin: float) -> str | None:
+    """Why the candidate is worse on held-out judged turns, or None when it is not."""
+    pos, neg = m["judged_pos_delta"], m["judged_neg_delta"]
+    if m["judged_pos"] and (not math.isfinite(pos) or pos < -margin):
+        return (f"held-out replies judged good became less likely: {pos:+.4f} nats/token over "
+                f"{int(m['judged_pos'])} turns (allowed −{margin})")
+    if m["judged_neg"] and (not math.isfinite(neg) or neg > margin):
+        return (f"held-out replies judged bad became more likely: {neg:+.4f} nats/token over "
+                f"{int(m['judged_neg'])} turns (allowed +{margin})")
+    return None
+
+
+def load_pair(champion_dir: str, candidate_dir: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(champion_dir)
     champ = AutoModelForCausalLM.from_pretrained(champion_dir, dtype=torch.float32).eval()
     cand = AutoModelForCausalLM.from_pretrained(candidate_dir, dtype=torch.float32).eval()
+    return tok, champ, cand
+
+
+def drift(tok, champ, cand, prompts: list[str], max_new_tokens: int, step: Step | None = None) -> dict[str, float]:
+    """Mean per-token KL(champion ‖ candidate) and NLL change on the champion's greedy replies."""
+    import torch
+
     kls, nll_deltas = [], []
     with torch.inference_mode():
         for prompt in prompts:
@@ -58,6 +97,8 @@ def probe_drift(champion_dir: str, candidate_dir: str, prompts: list[str], max_n
             full = champ.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                   do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
             n = full.shape[1] - ids.shape[1]
+            if step:
+                step()
             if n == 0:
                 continue
             lp_c = torch.log_softmax(champ(full).logits[0, -n - 1 : -1].float(), -1)  # [n, V]
@@ -71,17 +112,56 @@ def probe_drift(champion_dir: str, candidate_dir: str, prompts: list[str], max_n
             "probes": float(len(kls))}
 
 
-def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str) -> GateResult:
+def probe_drift(champion_dir: str, candidate_dir: str, prompts: list[str], max_new_tokens: int,
+                step: Step | None = None) -> dict[str, float]:
+    return drift(*load_pair(champion_dir, candidate_dir), prompts, max_new_tokens, step)
+
+
+def reply_loglik(model, turns: list[dict[str, Any]], max_tokens: int, step: Step | None = None) -> list[float]:
+    """Mean per-token log-likelihood of each turn's recorded reply given its recorded prompt
+    (token ids, no re-tokenization); long prompts keep their last tokens."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for t in turns:
+            reply = list(t["response_token_ids"])[:max_tokens]
+            prompt = list(t["prompt_token_ids"])[-max(max_tokens - len(reply), 1):]
+            ids = torch.tensor([prompt + reply])
+            lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)  # [len(reply), V]
+            out.append(float(lp.gather(-1, ids[0, len(prompt):, None]).mean()))
+            if step:
+                step()
+    return out
+
+
+def judged_probe(tok, champ, cand, turns: list[dict[str, Any]], max_tokens: int,
+                 step: Step | None = None) -> dict[str, float]:
+    turns = [t for t in turns if len(t["response_token_ids"]) > 0 and len(t["prompt_token_ids"]) > 0]
+    return judged_margins(reply_loglik(champ, turns, max_tokens, step), reply_loglik(cand, turns, max_tokens, step),
+                          [int(t["score"]) for t in turns])
+
+
+def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
+             judged: list[dict[str, Any]] | None = None) -> GateResult:
+    """The verdict on `candidate_dir` vs `champion_dir`; `judged` are held-out judged turns (dicts
+    with prompt_token_ids, response_token_ids, score), empty or None to skip that check."""
     if bad := nonfinite_tensors(candidate_dir):
         return GateResult(False, f"non-finite weights in {len(bad)} tensors (e.g. {bad[0]})",
                           {"nonfinite_tensors": float(len(bad))})
     if not gate.enabled:
         return GateResult(True, "gate disabled: finite weights only", {"nonfinite_tensors": 0.0})
-    m = probe_drift(champion_dir, candidate_dir, gate.probes, gate.max_new_tokens)
+    tok, champ, cand = load_pair(champion_dir, candidate_dir)
+    m = drift(tok, champ, cand, gate.probes, gate.max_new_tokens)
     m["nonfinite_tensors"] = 0.0
+    m.update(judged_probe(tok, champ, cand, judged or [], gate.max_probe_tokens))
     if not math.isfinite(m["probe_kl"]) or m["probe_kl"] > gate.max_kl:
         return GateResult(False, f"probe KL {m['probe_kl']:.4f} > max_kl {gate.max_kl}", m)
     if m["probe_nll_increase"] > gate.max_nll_increase:
         return GateResult(False, f"probe NLL rose {m['probe_nll_increase']:.4f} nats/token "
                                  f"> {gate.max_nll_increase}", m)
-    return GateResult(True, f"probe KL {m['probe_kl']:.4f} ≤ {gate.max_kl}", m)
+    if reason := judged_verdict(m, gate.judged_margin):
+        return GateResult(False, reason, m)
+    held = int(m["judged_pos"] + m["judged_neg"])
+    return GateResult(True, f"probe KL {m['probe_kl']:.4f} ≤ {gate.max_kl}; "
+                            f"{held} held-out judged turns within ±{gate.judged_margin}", m)

@@ -37,3 +37,12 @@ def rollback(cfg: Config, target: int | str | None = None) -> dict[str, Any]:
                 {"from_version": old, "to_version": new})
     reloaded = reload_gateway(cfg, new, path)
     return {"from_version": old, "to_version": new, "path": path, "reloaded": reloaded is not None}
+
+
+def provision(cfg: Config) -> tuple[int, str]:
+    """First start: materialize the base model (a GGUF is converted once, ~40 s) and register it
+    as the first version with alias `champion`, so rollback can return to it. Idempotent."""
+    from clawflow.models import base_model_dir
+
+    path = base_model_dir(cfg)
+    return registry.ensure_base(cfg, path), path

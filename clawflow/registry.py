@@ -4,11 +4,16 @@ Checkpoints are not copied into MLflow's artifact store: a version's `source` is
 directory under `$CLAWFLOW_HOME/checkpoints/` (a 540 MB model stored once, not twice). The run
 logs the small files (metrics JSON, config) as artifacts. With a remote tracking server and
 shared storage the same `source` works; object storage is a later step.
+
+The base model is registered too (`ensure_base`, at first start): version 1 tagged `base=true`
+and `champion` while nothing was trained, so `rollback` can always return to it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,10 @@ def log_file(cfg: Config, run_id: str, path: Path) -> None:
     _client(cfg).log_artifact(run_id, str(path))
 
 
+def log_json(cfg: Config, run_id: str, data: dict[str, Any], name: str) -> None:
+    _client(cfg).log_dict(run_id, data, name)
+
+
 def end_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
     _client(cfg).set_terminated(run_id, status=status)
 
@@ -74,6 +83,34 @@ def register_checkpoint(cfg: Config, run_id: str, checkpoint: Path, tags: dict[s
         client.create_registered_model(name, description="clawflow policy checkpoints")
     mv = client.create_model_version(name, source=str(checkpoint), run_id=run_id, tags=tags)
     return int(mv.version)
+
+
+@contextmanager
+def _registry_lock(cfg: Config):
+    """One registering process at a time per home (`up` and serve-policy may start together)."""
+    cfg.home.mkdir(parents=True, exist_ok=True)
+    with open(cfg.home / ".registry.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def ensure_base(cfg: Config, base_dir: str) -> int:
+    """Register the base model once (tag `base=true`), `champion` when there is none; its version.
+    Idempotent: a second call returns the version registered first."""
+    client = _client(cfg)
+    with _registry_lock(cfg):
+        for mv in client.search_model_versions(f"name='{cfg.model.name}'"):
+            if (mv.tags or {}).get("base") == "true":
+                return int(mv.version)
+        run_id = start_run(cfg, "base-model", {"source": base_dir, "model": cfg.model.name},
+                           {"clawflow.base": "true"})
+        version = register_checkpoint(cfg, run_id, Path(base_dir), {
+            "base": "true", "parent_version": "none", "turn_count": "0", "shard_count": "0", "shards": "",
+            "gate": "base"})
+        end_run(cfg, run_id)
+        if champion(cfg) is None:
+            client.set_registered_model_alias(cfg.model.name, CHAMPION, str(version))
+        return version
 
 
 def promote(cfg: Config, version: int) -> int | None:

@@ -86,7 +86,8 @@ def _serve_policy_failure(cfg: Config) -> str | None:
     except (httpx.HTTPError, ValueError):
         return None
     state = (runs[0].get("state") or {}) if runs else {}
-    if state.get("type") in ("FAILED", "CRASHED"):
+    capped = state.get("type") == "CANCELLED" and "consecutive failures" in (state.get("message") or "")
+    if state.get("type") in ("FAILED", "CRASHED") or capped:  # capped: the restart guard gave up
         return f"{state.get('message')} (full log: {cfg.home / 'logs' / 'worker.log'})"
     return None
 

@@ -20,12 +20,16 @@ from clawflow.envs import build_envs
 from clawflow.envs.base import pace_s
 from clawflow.envs.collect import Totals
 from tasks.environment import gateway_up, run_episodes
+from tasks.policy import guard_restart
 
 
 @flow(name="collect-environment", log_prints=True)
-def collect_environment(config_path: str | None = None, rounds: int | None = None) -> list[dict]:
-    """Collect episodes forever (or for `rounds` rounds); returns the totals per environment."""
+def collect_environment(config_path: str | None = None, rounds: int | None = None, restart: bool = False):
+    """Collect episodes forever (or for `rounds` rounds); returns the totals per environment.
+    `restart` is set by the always-on trigger: back off / stop after repeated failures."""
     cfg = load_config(config_path)
+    if restart and (stopped := guard_restart(cfg, "collect-environment")) is not None:
+        return stopped
     log = get_run_logger()
     envs = build_envs(cfg)
     rng = random.Random(cfg.envs.seed)

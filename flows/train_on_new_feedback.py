@@ -2,18 +2,30 @@
 
 Triggered by `clawflow.shard.sealed` events (see prefect.yaml) or by hand:
     prefect deployment run train-on-new-feedback/train-on-new-feedback
+Progress is the `training-progress` artifact (percent per phase); the summary is `training-summary`.
 """
 
 from __future__ import annotations
 
 from prefect import flow, get_run_logger, runtime
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from clawflow.config import load_config
 from clawflow.feedback import training_samples
-from tasks.policy import gate_candidate
+from clawflow.holdout import split_holdout
+from tasks.policy import gate_candidate, held_out_probes
 from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, maintain_store, promote,
                             register, release_unjudged, reload_gateway, start_run, train_policy)
+
+
+class Progress:
+    """The run's `training-progress` artifact: percent done and the phase, updated as it goes."""
+
+    def __init__(self) -> None:
+        self.id = create_progress_artifact(0.0, key="training-progress", description="collecting the batch")
+
+    def __call__(self, percent: float, phase: str) -> None:
+        update_progress_artifact(self.id, percent, description=phase)
 
 
 @flow(name="train-on-new-feedback", log_prints=True)
@@ -22,29 +34,45 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     """Train the served policy on the feedback its conversations received since the last run."""
     cfg = load_config(config_path)
     log = get_run_logger()
+    progress = Progress()
     pairs = collect_batch(cfg, max_turns or cfg.train.max_turns)
     if not pairs:
-        return _report({"trained": False, "reason": "no new turns with a next state"})
+        return _report({"trained": False, "reason": "no new turns with a next state"}, progress)
 
+    progress(10, f"judging {len(pairs)} turns")
     judgments = judge_turns(cfg, pairs)
     if not judgments:  # judge unavailable: the turns go back to the queue for the next run
         release_unjudged(cfg)
-        return _report({"trained": False, "reason": "judge unavailable; turns stay unjudged", "turns": len(pairs)})
-    samples = training_samples(pairs, judgments)
+        return _report({"trained": False, "reason": "judge unavailable; turns stay unjudged", "turns": len(pairs)},
+                       progress)
+    trainable, held_out = split_holdout(judgments, cfg.gate.holdout_fraction)  # held out: the gate's probes
+    samples = training_samples(pairs, trainable)
     parent, base = current_policy(cfg)
-    turn_ids = [j["turn_id"] for j in judgments]  # only judged turns are consumed
+    turn_ids = [j["turn_id"] for j in judgments]  # only judged turns are consumed (held-out ones too)
     if not samples:
         # Judged but neutral: nothing to learn; consume them so they are not judged again.
         commit_consumption(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent)
         if len(judgments) < len(pairs):
             release_unjudged(cfg)
-        return _report({"trained": False, "reason": "all turns judged neutral", "turns": len(pairs)})
+        reason = "all turns judged neutral" if not held_out else "no trainable turns (neutral or held out for the gate)"
+        return _report({"trained": False, "reason": reason, "turns": len(pairs)}, progress)
 
+    progress(25, f"training on {len(samples)} samples from v{parent}")
     run_id = start_run(cfg, str(runtime.flow_run.id), parent, pairs, judgments)
     checkpoint, metrics = train_policy(cfg, run_id, base, samples, parent)
+    if checkpoint is None:  # the recipe found no usable advantage or hint: consume, nothing to register
+        commit_consumption(cfg, turn_ids, f"untrainable-{runtime.flow_run.id}", parent)
+        if len(judgments) < len(pairs):
+            release_unjudged(cfg)
+        return _report({"trained": False, "reason": metrics["reason"], "turns": len(pairs),
+                        "samples": len(samples)}, progress)
+    progress(70, "registering the checkpoint")
     rewards = [s["reward"] for s in samples]
-    version = register(cfg, run_id, checkpoint, parent, len(samples), sum(rewards) / len(rewards))
-    gate = gate_candidate(cfg, version, str(checkpoint), base)
+    trained_ids = [s["turn_id"] for s in samples]
+    version = register(cfg, run_id, checkpoint, parent, len(samples), sum(rewards) / len(rewards), trained_ids)
+    progress(75, f"eval gate: v{version} vs v{parent}")
+    gate = gate_candidate(cfg, version, str(checkpoint), base, held_out_probes(cfg, trained_ids))
+    progress(90, "promoting" if gate.passed else "rejected: committing the batch")
     if gate.passed:
         promote(cfg, version)
     # Consumed either way: a rejected version's turns would train the same rejected step again.
@@ -52,19 +80,21 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     if len(judgments) < len(pairs):
         release_unjudged(cfg)
     maintain_store(cfg)
+    progress(95, f"reloading the gateway on v{version}" if gate.passed else "done")
     reloaded = reload_gateway(cfg, version, str(checkpoint)) if reload and gate.passed else False
     log.info("v%d trained on %d samples from v%d: %s", version, len(samples), parent, gate.reason)
     last = metrics.get("per_step") or [{}]
     return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
-                    "samples": len(samples), "reward_mean": sum(rewards) / len(rewards),
+                    "samples": len(samples), "held_out": len(held_out), "reward_mean": sum(rewards) / len(rewards),
                     "promoted": gate.passed, "gate": gate.reason, "mlflow_run": run_id,
-                    "reloaded": reloaded, "loss": last[-1].get("loss")})
+                    "reloaded": reloaded, "loss": last[-1].get("loss")}, progress)
 
 
-def _report(summary: dict) -> dict:
+def _report(summary: dict, progress: Progress) -> dict:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     create_markdown_artifact(markdown=f"| field | value |\n|---|---|\n{rows}\n", key="training-summary",
                              description="What this training run consumed and produced")
+    progress(100, "done: " + (f"v{summary['version']}" if summary.get("trained") else summary["reason"]))
     return summary
 
 

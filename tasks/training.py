@@ -17,9 +17,10 @@ from clawflow.feedback import judge_pairs, training_samples, write_samples
 from clawflow.judge import make_judge
 from clawflow.judge.stats import combine_reward, judge_stats
 from clawflow.judge.store import JudgmentStore
+from clawflow.lineage import lineage_tags, shards_of
 from clawflow.models import base_model_dir
 from clawflow.store.catalog import Catalog
-from clawflow.train.launch import run_training
+from clawflow.train.launch import EXIT_NO_SAMPLES, TrainingError, run_training
 
 
 def catalog(cfg: Config) -> Catalog:
@@ -92,10 +93,12 @@ def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[dict], judgme
 @task(name="train-policy", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       task_run_name="train-{run_id}", timeout_seconds=6 * 3600)
 def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, Any]],
-                 parent: int = 0) -> tuple[Path, dict]:
+                 parent: int = 0) -> tuple[Path | None, dict]:
     """torchrun subprocess from the champion `base` (its weights, and its AdamW state when saved);
     the checkpoint appears atomically at $CLAWFLOW_HOME/checkpoints/<run_id>. A retry after an
-    interruption resumes the run from `<run_id>.resume`. Step metrics go to the MLflow run."""
+    interruption resumes the run from `<run_id>.resume`. Step metrics go to the MLflow run.
+    Returns (None, {"reason": ...}) when the recipe finds nothing to train on (e.g. every GRPO
+    group has equal rewards, or OPD samples without a usable hint): a result, not a failure."""
     run_dir = cfg.home / "runs" / run_id
     batch = write_samples(samples, run_dir / "samples.parquet")
     out = cfg.home / "checkpoints" / run_id
@@ -104,18 +107,29 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, An
         metrics = json.loads(done.read_text())
     else:
         needs_base = cfg.train.teacher == "base" or cfg.train.kl_beta > 0  # the frozen base: teacher / KL ref
-        metrics = run_training(cfg.source_file, cfg, Path(base), batch, out, parent_version=parent,
-                               frozen_base=base_model_dir(cfg) if needs_base else None)
+        try:
+            metrics = run_training(cfg.source_file, cfg, Path(base), batch, out, parent_version=parent,
+                                   frozen_base=base_model_dir(cfg) if needs_base else None)
+        except TrainingError as e:
+            if e.returncode != EXIT_NO_SAMPLES:
+                raise
+            registry.end_run(cfg, run_id, "KILLED")
+            return None, {"reason": e.reason}
     registry.log_metrics(cfg, run_id, metrics.get("per_step", []),
                          {k: v for k, v in metrics.items() if k != "per_step"})
     return out, metrics
 
 
 @task(name="register-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def register(cfg: Config, run_id: str, checkpoint: Path, parent: int, turns: int, reward_mean: float) -> int:
+def register(cfg: Config, run_id: str, checkpoint: Path, parent: int, turns: int, reward_mean: float,
+             turn_ids: list[str] | None = None) -> int:
+    """A model version with lineage tags (parent, shards, turn count); the full lists in lineage.json."""
+    shards = shards_of(catalog(cfg), turn_ids or [])
+    registry.log_json(cfg, run_id, {"parent_version": parent, "shards": shards, "turn_ids": turn_ids or []},
+                      "lineage.json")
     version = registry.register_checkpoint(
         cfg, run_id, checkpoint,
-        {"parent_version": str(parent), "turns": str(turns), "reward_mean": f"{reward_mean:.4f}"})
+        {**lineage_tags(parent, shards, turns), "turns": str(turns), "reward_mean": f"{reward_mean:.4f}"})
     registry.end_run(cfg, run_id)
     events.emit(events.POLICY_REGISTERED, f"clawflow.policy.{cfg.model.name}.v{version}",
                 {"version": version, "run_id": run_id, "path": str(checkpoint)})

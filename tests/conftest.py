@@ -109,6 +109,22 @@ def prefect_api():
 
 
 @contextlib.contextmanager
+def use_prefect_api(api: str):
+    """Point this process's Prefect client at `api`. Prefect keeps one events worker per process,
+    bound to the API it started with (task runs reach the server as events), so it is drained
+    on the way in and out: otherwise tests after a switch send their runs to the wrong server."""
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    EventsWorker.drain_all(timeout=10)
+    try:
+        with temporary_settings({PREFECT_API_URL: api}):
+            yield
+    finally:
+        EventsWorker.drain_all(timeout=10)
+
+
+@contextlib.contextmanager
 def process_group(argv: list[str], env: dict, log_path: Path, stop=signal.SIGTERM, stop_times: int = 1):
     """A child in its own process group, logging to `log_path`; stopped with `stop` (sent
     `stop_times` times, e.g. twice SIGINT for a Prefect worker), then SIGKILL, on exit."""
@@ -147,3 +163,7 @@ def prefect_server(tmp_path_factory):
         wait_http(f"{api}/health", 180, "Prefect server",
                   failed=lambda: proc.poll() is not None and (home / "server.log").read_text()[-2000:])
         yield api, env
+
+
+# gateway fixtures shared by tests/test_gateway_*.py (imported here so one `served` gateway serves them all)
+from _gateway_helpers import euro_model_dir, perturbed_model_dir, served  # noqa: E402, F401

@@ -12,10 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from clawflow.stack import wait_http
-from conftest import admin, free_port, process_group, running_gateway
+from conftest import admin, free_port, process_group, running_gateway, use_prefect_api
 from flows.train_on_new_feedback import train_on_new_feedback
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,7 @@ def test_prefect_and_mlflow_uis_show_the_training(make_config, prefect_server, t
                     {"role": "user", "content": "No, that's wrong. Make it shorter, please."}]
         client.chat.completions.create(model="clawflow-tiny", messages=history, seed=2)
         httpx.post(f"{cfg.gateway_url}/admin/seal", headers=admin(cfg)).raise_for_status()
-        with temporary_settings({PREFECT_API_URL: api}):
+        with use_prefect_api(api):
             state = train_on_new_feedback(config_path=str(cfg.source_file), return_state=True)
     result = state.result()
     assert result["trained"] and result["version"] == 1 and result["promoted"], result

@@ -204,6 +204,12 @@ def test_episodes_through_gateway_become_pairs_with_next_states(make_config):
         mine = [x for x in rows if x["session_id"] == r.session_id]
         assert sorted(x["turn_index"] for x in mine) == [0, 0, 2]
         assert all(0.0 <= x["env_reward"] <= 1.0 and x["source"] == "persona" for x in mine)
+        # The catalog joins them onto the pairs: each group member its own check, turn 1 the outcome.
+        for p in by_session[r.session_id]:
+            own = {x["env_reward"] for x in mine if x["turn_index"] == p["turn_index"]
+                   and x["response_text"] == p["response_text"]}
+            expected = own or {x["env_reward"] for x in mine if x["turn_index"] == 2}
+            assert len(expected) == 1 and p["env_reward"] == expected.pop()
     terminal = [x for x in rows if x["source"] == "terminal"]
     assert len(terminal) == 2 and all(x["env_reward"] == 0.0 for x in terminal)
     totals = Totals()

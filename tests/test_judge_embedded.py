@@ -20,7 +20,7 @@ from clawflow.judge.evaluate import evaluate, format_report
 from clawflow.judge.features import n_features
 
 LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
-HELD_OUT_FLOOR = 0.80  # measured 0.82 (64/78) on the test split; the target is 0.90
+HELD_OUT_FLOOR = 0.80  # measured 0.83 (103/124) on the test split; the target is 0.90 (not met)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,22 @@ def tool_turn(output: str) -> JudgeInput:
                       "tool_calls": [call]}, [{"role": "tool", "tool_call_id": "c", "content": output}], "tool")
 
 
+def test_length_batches_keep_long_texts_apart():
+    from clawflow.judge.minilm import length_batches
+
+    assert length_batches([5, 300, 6, 40, 7, 45, 256], 32) == [[0, 2, 4], [3, 5], [6, 1]]
+    assert length_batches([4] * 5, 2) == [[0, 1], [2, 3], [4]] and length_batches([], 8) == []
+
+
+def test_batched_embeddings_equal_one_at_a_time(judge):
+    import torch
+
+    texts = ["thanks!", "Traceback (most recent call last):\n" + "  File 'x.py', line 3\n" * 30 + "NameError", "ok", ""]
+    together = judge.encoder.embed(texts)
+    alone = torch.cat([judge.encoder.embed([t]) for t in texts])
+    assert together.shape == (4, 384) and torch.allclose(together, alone, atol=1e-5)
+
+
 def test_embedding_uses_its_own_thread_count_and_restores_torchs(judge):
     import torch
 
@@ -55,7 +71,7 @@ def test_shipped_head_matches_its_training_data():
 def test_held_out_accuracy(judge):
     test = load_labelled(LABELLED, "test")
     report = evaluate(judge, test)
-    assert report.n == len(test) == 78 and report.unjudged == 0
+    assert report.n == len(test) == 124 and report.unjudged == 0
     assert report.accuracy >= HELD_OUT_FLOOR, format_report(report, show_mistakes=True)
     assert report.confusion[(1, -1)] + report.confusion[(-1, 1)] <= 8  # sign flips are the costly errors
 

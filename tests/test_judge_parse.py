@@ -140,6 +140,12 @@ def test_select_hint_takes_the_longest_valid_over_the_minimum():
     ("I prefer learning with books, not apps.", "I prefer learning with books, not apps."),
     ("nope, use the csv crate instead", "Use the csv crate instead"),
     ("thanks, perfect", None), ("no", None), ("What's the weather in Oslo?", None), ("", None),
+    # persona-style corrections: comparatives, "too …", requests, limits; the next request is cut off
+    ("Shorter please: 30 words at most. Next one: Why is the sky blue?", "Shorter please: 30 words at most."),
+    ("Too wordy, I don't have time for all that.", "Too wordy, I don't have time for all that."),
+    ("Hmm, this is a lot to read.", "This is a lot to read."),
+    ("Can you be briefer? Now, how do I sleep better?", "Can you be briefer?"),
+    ("Perfect, thanks. Next one: Please explain DNS.", None), ("Too bad it rained, thanks anyway.", None),
 ])
 def test_embedded_hint_extraction_from_corrections(text, hint):
     assert hint_from_user(text, min_chars=10) == hint
@@ -150,7 +156,12 @@ def test_clauses_and_cues():
         "Love it but I'm a PM. Fix the title please.", "Love it but I'm a PM.", "Fix the title please."]
     assert clauses("") == [""]
     assert cue_flags("tool", "Traceback (most recent call last):\nKeyError: 'x'")[0] == 1.0
-    assert cue_flags("tool", "All checks passed!")[:2] == [0.0, 1.0]
+    assert cue_flags("tool", "All checks passed!")[:3] == [0.0, 0.0, 1.0]  # error, structured failure, success
+    assert cue_flags("tool", "3 packets transmitted, 3 received, 0% packet loss")[:3] == [0.0, 0.0, 1.0]
+    assert cue_flags("tool", '{"confirmed": false, "reason": "full"}')[1] == 1.0
+    assert cue_flags("tool", '{"total": 0, "items": []}')[3] == 1.0  # an empty result
+    assert cue_flags("user", "we haven't decided yet")[:2] == [0.0, 1.0]  # negation, not a correction
+    assert cue_flags("user", "No, that's wrong")[:2] == [1.0, 0.0]
     assert cue_flags("tool", "")[-1] == 1.0  # no output at all
 
 

@@ -20,11 +20,10 @@ import yaml
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prefect import flow
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from clawflow import events
 from clawflow.config import REPO_ROOT
-from conftest import free_port, process_group
+from conftest import free_port, process_group, use_prefect_api
 from tasks.training import reload_gateway
 
 pytestmark = pytest.mark.slow
@@ -107,7 +106,7 @@ def test_shard_sealed_burst_trains_serially(deployed, make_config, tmp_path):
     before = {r["id"] for r in api_post(api, "/flow_runs/filter", train_runs)}  # other tests' runs
     started = time.monotonic()
     with process_group(argv, worker_env, tmp_path / "worker.log", stop=signal.SIGINT, stop_times=2):
-        with temporary_settings({PREFECT_API_URL: api}):
+        with use_prefect_api(api):
             for i in range(3):
                 assert events.emit(events.SHARD_SEALED, f"clawflow.shard.burst-{i}", {"turns": 0})
         deadline = time.monotonic() + 240
@@ -128,8 +127,11 @@ def test_shard_sealed_burst_trains_serially(deployed, make_config, tmp_path):
     print("runs (start, end):", [(a.time().isoformat("seconds"), b.time().isoformat("seconds")) for a, b in spans])
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert start >= end, f"two trainings overlapped: {spans}"
-    arts = api_post(api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [r["id"] for r in runs]}}})
+    ids = {"flow_run_id": {"any_": [r["id"] for r in runs]}}
+    arts = api_post(api, "/artifacts/filter", {"artifacts": {**ids, "key": {"any_": ["training-summary"]}}})
     assert len(arts) == 3 and all("no new turns with a next state" in a["data"] for a in arts)
+    progress = api_post(api, "/artifacts/filter", {"artifacts": {**ids, "key": {"any_": ["training-progress"]}}})
+    assert len(progress) == 3 and all(a["data"] == 100 for a in progress)
 
 
 class FlakyGateway:
@@ -162,7 +164,7 @@ def test_failed_task_is_retried_and_run_completes(prefect_server, make_config):
     while not server.started:
         time.sleep(0.05)
     try:
-        with temporary_settings({PREFECT_API_URL: api}):
+        with use_prefect_api(api):
             state = reload_once(cfg, return_state=True)
     finally:
         server.should_exit = True
@@ -176,3 +178,33 @@ def test_failed_task_is_retried_and_run_completes(prefect_server, make_config):
     history = httpx.get(f"{api}/task_run_states/", params={"task_run_id": task_run["id"]}).json()
     names = [s["name"] for s in sorted(history, key=lambda s: s["timestamp"])]
     assert "AwaitingRetry" in names and "Retrying" in names and names[-1] == "Completed", names
+
+
+def test_failed_serve_policy_run_is_restarted_by_the_automation(deployed):
+    """The always-on trigger: a Failed serve-policy run makes the automation schedule a new one
+    with restart=True (which applies the backoff/cap, tests/test_flow_restarts.py). No worker
+    runs here, so the new run stays Scheduled; it is cancelled at the end."""
+    api, _, _ = deployed
+    dep = {d["name"]: d for d in api_post(api, "/deployments/filter")}["serve-policy"]
+    runs_of = {"deployments": {"id": {"any_": [dep["id"]]}}}
+    before = {r["id"] for r in api_post(api, "/flow_runs/filter", runs_of)}
+    run = api_post(api, f"/deployments/{dep['id']}/create_flow_run", {})
+    api_post(api, f"/flow_runs/{run['id']}/set_state",
+             {"state": {"type": "FAILED", "message": "engine crashed"}, "force": True})
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            new = [r for r in api_post(api, "/flow_runs/filter", runs_of) if r["id"] not in before | {run["id"]}]
+            if new:
+                break
+            assert time.monotonic() < deadline, "no restart scheduled within 60 s"
+            time.sleep(0.5)
+        (restarted,) = new
+        assert restarted["created_by"]["type"] == "AUTOMATION"
+        assert restarted["parameters"] == {"restart": True}
+        assert restarted["state_type"] in ("SCHEDULED", "PENDING")
+    finally:
+        for r in api_post(api, "/flow_runs/filter", runs_of):
+            if r["state_type"] not in TERMINAL:
+                api_post(api, f"/flow_runs/{r['id']}/set_state",
+                         {"state": {"type": "CANCELLED", "message": "test over"}, "force": True})

@@ -74,3 +74,33 @@ def test_rejected_version_keeps_the_champion_and_lineage_is_recorded(cfg, tmp_pa
     assert rows[2]["tags"]["rejected"].startswith("probe KL")
     assert rows[2]["tags"]["parent_version"] == "1" and rows[2]["tags"]["turns"] == "2"
     assert rows[2]["metrics"]["loss"] == pytest.approx(0.5)
+
+
+def test_base_model_is_version_1_champion_once_and_rollback_returns_to_it(cfg, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    assert registry.ensure_base(cfg, str(base)) == 1
+    assert registry.ensure_base(cfg, str(base)) == 1  # idempotent: no second base version
+    assert registry.champion(cfg) == (1, str(base))
+    rows = registry.list_versions(cfg)
+    assert [r["version"] for r in rows] == [1] and rows[0]["tags"]["base"] == "true"
+
+    v2 = new_version(cfg, tmp_path, 2, 1)
+    registry.promote(cfg, v2)
+    assert registry.ensure_base(cfg, str(base)) == 1 and registry.champion(cfg)[0] == 2  # champion untouched
+    assert registry.rollback(cfg, 1) == (2, 1, str(base))
+    assert registry.champion(cfg) == (1, str(base))
+
+
+def test_lineage_tags_fit_mlflow_or_fall_back_to_a_hash():
+    from clawflow.lineage import MAX_TAG_CHARS, lineage_tags
+
+    tags = lineage_tags(3, ["2026/01/02/a.parquet", "2026/01/03/b.parquet"], 17)
+    assert tags["parent_version"] == "3" and tags["turn_count"] == "17" and tags["shard_count"] == "2"
+    assert tags["shards"] == "a.parquet,b.parquet" and len(tags["shards_sha256"]) == 12
+
+    many = [f"2026/01/02/{i:032x}.parquet" for i in range(400)]
+    long = lineage_tags(3, many, 5000)
+    assert long["shards"] == f"400 shards sha256:{long['shards_sha256']}; see lineage.json"
+    assert len(long["shards"]) < MAX_TAG_CHARS and long["shard_count"] == "400"
+    assert lineage_tags(3, many[:-1], 5000)["shards_sha256"] != long["shards_sha256"]

@@ -12,8 +12,7 @@ from openai import AsyncOpenAI
 
 from clawflow.serving.engine import SamplingParams, TorchEngine
 from conftest import admin, running_gateway
-from test_gateway import (MODEL, assert_error_json, client_for, close, logprobs_under, metrics,  # noqa: F401
-                          perturbed_model_dir, sealed_turns, user)
+from _gateway_helpers import MODEL, assert_error_json, client_for, close, logprobs_under, metrics, sealed_turns, user
 
 
 def test_batched_engine_matches_a_forward_pass_per_request(tiny_model_dir):

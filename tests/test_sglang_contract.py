@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from conftest import admin, free_port, running_gateway
-from test_gateway import MODEL, client_for, sealed_turns
+from _gateway_helpers import MODEL, client_for, sealed_turns
 
 REPLY_IDS = [19556, 28, 905, 17]  # what the recorded server "samples"
 REPLY_LPS = [-0.25, -1.5, -0.125, -2.0]

@@ -118,8 +118,8 @@ def test_opd_moves_the_student_toward_the_hinted_teacher(tiny_model_dir, opd_bat
 
 def test_feedback_keeps_hinted_turns_and_their_messages():
     pairs = [{"turn_id": f"t{i}", "prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5],
-              "messages": '[{"role": "user", "content": "hi"}]', "tools": None, "group_id": "g",
-              "policy_version": 2} for i in range(3)]
+              "messages": '[{"role": "user", "content": "hi"}]', "tools": None, "group_id": f"g{i}",
+              "policy_version": 2} for i in range(3)]  # one group each: a varied group keeps its zeros too
     judgments = [{"turn_id": "t0", "score": 1, "hint": None}, {"turn_id": "t1", "score": 0, "hint": "be brief"},
                  {"turn_id": "t2", "score": 0, "hint": None}]
     samples = training_samples(pairs, judgments)

@@ -58,17 +58,36 @@ class MiniLM:
 
     def _embed(self, texts: list[str], batch_size: int):
         torch = self._torch
-        clipped = [clip(t) for t in texts]
-        order = sorted(range(len(texts)), key=lambda i: len(clipped[i]))  # batches of similar length pad less
-        out = []
-        for i in range(0, len(order), batch_size):
-            batch = self.tokenizer([clipped[j] for j in order[i:i + batch_size]], padding=True, truncation=True,
-                                   max_length=self.max_tokens, return_tensors="pt")
-            with torch.inference_mode():
-                hidden = self.model(**batch).last_hidden_state
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            out.append(torch.nn.functional.normalize(pooled, dim=-1))
-        if not out:
+        if not texts:
             return torch.zeros(0, self.model.config.hidden_size)
-        return torch.cat(out)[torch.argsort(torch.tensor(order))]
+        ids = self.tokenizer([clip(t) for t in texts], truncation=True, max_length=self.max_tokens)["input_ids"]
+        out: list = [None] * len(texts)
+        for batch in length_batches([len(x) for x in ids], batch_size):
+            width = max(len(ids[j]) for j in batch)
+            input_ids = torch.full((len(batch), width), self.tokenizer.pad_token_id or 0)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, j in enumerate(batch):
+                input_ids[row, :len(ids[j])] = torch.tensor(ids[j])
+                attention[row, :len(ids[j])] = 1
+            with torch.inference_mode():
+                hidden = self.model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+            mask = attention.unsqueeze(-1).to(hidden.dtype)
+            pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9), dim=-1)
+            for j, row in zip(batch, pooled):
+                out[j] = row
+        return torch.stack(out)
+
+
+def length_batches(lengths: list[int], batch_size: int, slack: float = 3.0) -> list[list[int]]:
+    """Indices grouped by similar length: a batch ends at `batch_size` or when the next text is
+    over `slack` × its shortest (+8 tokens), so a long traceback is not padded onto every short
+    clause of a turn (padding is most of a turn's cost otherwise)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        if last and len(last) < batch_size and lengths[i] <= slack * lengths[last[0]] + 8:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches

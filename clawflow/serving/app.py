@@ -6,6 +6,7 @@ only, and its turns are never recorded, so judge calls never become training dat
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ from typing import Any, Callable
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
@@ -48,6 +49,29 @@ def _bearer(authorization: str | None) -> str | None:
 def _key_ok(authorization: str | None, key: str) -> bool:
     given = _bearer(authorization)
     return given is not None and hmac.compare_digest(given.encode(), key.encode())  # constant time
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` (a non-streamed completion) unless the client disconnects first: then cancel it,
+    which takes its requests out of the decode batch. Once the body is read, the ASGI `receive`
+    only returns when the client has gone (`http.disconnect`) or the response is complete."""
+    import asyncio
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watch.done() and watch.result().get("type") == "http.disconnect":
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its requests are out of the batch queue or marked to leave it
+            log.info("client disconnected; request cancelled")
+            return Response(status_code=499)  # nobody reads it
+        return await task
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
 
 
 def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAPI:
@@ -102,26 +126,26 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             "policy_version": gw.engine.policy_version,
         }]}
 
-    async def _chat(req: ChatCompletionRequest, x_session_id: str | None, x_turn_type: str | None,
+    async def _chat(request: Request, req: ChatCompletionRequest, x_session_id: str | None, x_turn_type: str | None,
                     x_session_done: str | None, x_clawflow_source: str | None, record: bool):
         if x_turn_type not in (None, "main", "side"):
             raise BadRequest("X-Turn-Type must be `main` or `side`")
         ctx = TurnContext(session_id=x_session_id, turn_type=x_turn_type or "main",
                           session_done=(x_session_done or "").lower() in ("1", "true", "yes"),
                           source=x_clawflow_source or "live", record=record)
-        if req.stream:
+        if req.stream:  # a disconnect closes the generator, which aborts the decode
             return StreamingResponse(await gw.stream(req, ctx), media_type="text/event-stream")
-        return await gw.complete(req, ctx)
+        return await _unless_disconnected(request, gw.complete(req, ctx))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
-    async def chat(req: ChatCompletionRequest, x_session_id: str | None = Header(None),
+    async def chat(request: Request, req: ChatCompletionRequest, x_session_id: str | None = Header(None),
                    x_turn_type: str | None = Header(None), x_session_done: str | None = Header(None),
                    x_clawflow_source: str | None = Header(None)):
-        return await _chat(req, x_session_id, x_turn_type, x_session_done, x_clawflow_source, record=True)
+        return await _chat(request, req, x_session_id, x_turn_type, x_session_done, x_clawflow_source, record=True)
 
     @app.post("/internal/v1/chat/completions", dependencies=[Depends(require_admin)])
-    async def internal_chat(req: ChatCompletionRequest):
-        return await _chat(req, None, None, None, "internal", record=False)
+    async def internal_chat(request: Request, req: ChatCompletionRequest):
+        return await _chat(request, req, None, None, None, "internal", record=False)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -134,6 +158,8 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             f"clawflow_reloads_total {c.reloads}",
             f"clawflow_policy_version {gw.engine.policy_version}",
             f"clawflow_unrecorded_requests_total {c.unrecorded}",
+            f"clawflow_requests_cancelled_total {c.cancelled}",
+            f"clawflow_decode_aborted_total {getattr(getattr(gw.engine, 'batcher', None), 'aborted', 0)}",
             f"clawflow_queue_depth {gw.engine.queue_depth}",
             f"clawflow_active_requests {gw.engine.active}",
             *c.latency.prometheus("clawflow_request_latency_seconds"),

@@ -73,6 +73,7 @@ class Batcher:
         self._waiting: deque[_Row] = deque()
         self._batches: dict[int, _Batch] = {}
         self._running = 0  # admitted and not finished (prefilling or in a batch)
+        self.aborted = 0  # requests stopped early because their client went away
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="clawflow-decode", daemon=True)
@@ -116,6 +117,8 @@ class Batcher:
                         row = self._waiting.popleft()
                         if row.future.set_running_or_notify_cancel():  # False: the client left while queued
                             admit.append(row)
+                        else:
+                            self.aborted += 1
                     self._running += len(admit)
                 for row in admit:
                     self._guard([row], lambda r=row: self._prefill(r))
@@ -204,6 +207,7 @@ class Batcher:
                 row.text, row.finish, finished = row.text[: min(cuts)], "stop", True  # earliest stop wins
             elif row.on_token is not None and not _call(row, token):
                 row.finish, finished = "abort", True
+                self.aborted += 1
             elif len(row.out_ids) >= p.max_new_tokens:
                 finished = True
         return finished
@@ -220,7 +224,7 @@ class Batcher:
 
 def _call(row: _Row, token: int) -> bool:
     try:
-        return bool(row.on_token(token, row.logprobs[-1], row.text))
+        return bool(row.on_token(token, row.logprobs[-1], row.text, row.top[-1] if row.params.top_logprobs else None))
     except Exception:  # a broken callback (closed event loop) means nobody is listening
         return False
 

@@ -56,8 +56,9 @@ class ReloadError(RuntimeError):
     """The checkpoint could not be loaded; the serving weights are unchanged."""
 
 
-# on_token(token_id, logprob, text_so_far) -> False to abort (client went away)
-TokenCallback = Callable[[int, float, str], bool]
+# on_token(token_id, logprob, text_so_far, top) -> False to abort (client went away); `top` is the
+# position's k most likely (token id, logprob) when SamplingParams.top_logprobs asks for them, else None
+TokenCallback = Callable[[int, float, str, "list[tuple[int, float]] | None"], bool]
 
 
 class TorchEngine:

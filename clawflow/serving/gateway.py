@@ -43,6 +43,7 @@ class Counters:
     turns_recorded: int = 0
     reloads: int = 0
     unrecorded: int = 0
+    cancelled: int = 0  # clients that left before their reply was complete (decode stopped, nothing recorded)
     latency: "Histogram" = field(default_factory=lambda: Histogram())
 
 
@@ -138,25 +139,30 @@ class Gateway:
         messages, prompt_ids, params = self.prepare(req)
         t0 = time.perf_counter()
         futures = []
+        live = {"cancelled": False}  # set when the caller is cancelled (the HTTP client went away)
         try:
             for i in range(req.n):  # all n choices decode side by side in the batch
                 p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-                futures.append(self.engine.submit(prompt_ids, p))
+                futures.append(self.engine.submit(prompt_ids, p, lambda *_: not live["cancelled"]))
         except BaseException:
-            for f in futures:
-                f.cancel()
+            _abort(futures, live)
             raise
         self.counters.requests += 1
         group_id = completion_id() if req.n > 1 else None
         choices, completion_tokens = [], 0
-        for i, fut in enumerate(futures):
-            gen = await asyncio.wrap_future(fut)
-            reply, finish = self.reply_message(gen, req)
-            await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, group_id)
-            completion_tokens += len(gen.token_ids)
-            choice = {"index": i, "message": reply, "finish_reason": finish,
-                      "logprobs": self.logprobs_block(gen) if req.logprobs else None}
-            choices.append(choice)
+        try:
+            for i, fut in enumerate(futures):
+                gen = await asyncio.wrap_future(fut)
+                reply, finish = self.reply_message(gen, req)
+                await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, group_id)
+                completion_tokens += len(gen.token_ids)
+                choice = {"index": i, "message": reply, "finish_reason": finish,
+                          "logprobs": self.logprobs_block(gen) if req.logprobs else None}
+                choices.append(choice)
+        except BaseException:  # cancelled: every choice still decoding leaves the batch at its next step
+            _abort(futures, live)
+            self.counters.cancelled += 1
+            raise
         self._count(len(prompt_ids), completion_tokens)
         self.counters.latency.observe(time.perf_counter() - t0)
         return {
@@ -178,8 +184,8 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         live = {"cancelled": False}
 
-        def on_token(token: int, logprob: float, text: str) -> bool:
-            loop.call_soon_threadsafe(queue.put_nowait, (token, logprob, text))
+        def on_token(token: int, logprob: float, text: str, top: list | None) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, (token, logprob, text, top))
             return not live["cancelled"]
 
         fut = self.engine.submit(prompt_ids, params, on_token)  # QueueFull → 429, still before any byte
@@ -189,7 +195,7 @@ class Gateway:
     async def _stream(self, req, ctx, messages, prompt_ids, params, fut, queue, live) -> AsyncIterator[str]:
         cid, created, model = completion_id(), now(), self.cfg.model.name
         t0 = time.perf_counter()
-        sent = ""
+        sent, finished = "", False
         pending_lp: list[dict] = []  # logprobs of tokens whose text is not sent yet
 
         def chunk(delta: dict, finish: str | None = None, **extra) -> str:
@@ -202,14 +208,13 @@ class Gateway:
             task = asyncio.wrap_future(fut)
             while not task.done() or not queue.empty():
                 try:
-                    token, logprob, text = await asyncio.wait_for(queue.get(), timeout=0.05)
+                    token, logprob, text, top = await asyncio.wait_for(queue.get(), timeout=0.05)
                 except TimeoutError:
                     continue
                 if req.tools:
                     continue
                 if req.logprobs:
-                    pending_lp.append({"token": self.engine.tokenizer.decode([token]),
-                                       "logprob": logprob, "top_logprobs": []})
+                    pending_lp.append(self.logprob_entry(token, logprob, top))  # as in the non-streamed reply
                 safe = _streamable(text, params.stop)
                 if safe.startswith(sent) and len(safe) > len(sent):
                     extra = {"logprobs": {"content": pending_lp}} if req.logprobs else {}
@@ -225,6 +230,7 @@ class Gateway:
             if reply.get("tool_calls"):
                 yield chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]})
             await self.record(ctx, req, messages, prompt_ids, gen, reply, finish, None)
+            finished = True  # decoded and recorded: a client leaving now cancels nothing
             self._count(len(prompt_ids), len(gen.token_ids))
             self.counters.latency.observe(time.perf_counter() - t0)
             yield chunk({}, finish)
@@ -234,8 +240,17 @@ class Gateway:
                 yield f"data: {json.dumps({'id': cid, 'object': 'chat.completion.chunk', 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            live["cancelled"] = True  # a client that disconnects mid-stream leaves the batch at the next step
-            fut.cancel()  # or, still queued, is never admitted
+            if not finished:
+                self.counters.cancelled += 1
+            _abort([fut], live)  # a client that disconnects mid-stream leaves the batch at the next step
+
+
+def _abort(futures: list, live: dict) -> None:
+    """Stop requests whose caller went away: running ones see `live["cancelled"]` in their token
+    callback and leave the batch at the next decode step; queued ones are never admitted."""
+    live["cancelled"] = True
+    for f in futures:
+        f.cancel()
 
 
 def _streamable(text: str, stops: list[str]) -> str:

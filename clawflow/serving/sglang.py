@@ -146,14 +146,18 @@ class SGLangEngine:
                     continue
                 meta = json.loads(line[5:])["meta_info"]
                 new = _new_entries(meta.get("output_token_logprobs") or [], len(ids), meta["completion_tokens"])
-                new_tops = _new_entries(meta.get("output_top_logprobs") or [], len(tops), meta["completion_tokens"])
-                for lp, tok, *_ in new:
+                new_tops = [[(int(t), float(v)) for v, t, *_ in (e or [])] for e in
+                            _new_entries(meta.get("output_top_logprobs") or [], len(tops), meta["completion_tokens"])]
+                for i, (lp, tok, *_) in enumerate(new):
                     ids.append(int(tok))
                     lps.append(float(lp))
-                    if on_token is not None and not on_token(int(tok), float(lp), self.decode(ids)):
+                    top = new_tops[i] if i < len(new_tops) else None
+                    if top is not None:
+                        tops.append(top)
+                    if on_token is not None and not on_token(int(tok), float(lp), self.decode(ids),
+                                                             top if params.top_logprobs else None):
                         return Generation(ids, lps, self.decode(ids), "abort", version,
                                           tops)  # leaving the stream aborts the request in SGLang
-                tops.extend([[(int(t), float(v)) for v, t, *_ in (e or [])] for e in new_tops])
         finish = (meta.get("finish_reason") or {}).get("type", "length")
         text = self.decode(ids)
         if finish == "stop" and params.stop:

@@ -6,6 +6,12 @@ batch is chosen on the keys (oldest pending turns that have a next turn, then th
 then the full rows of the chosen turns and of their next turns are read from the few shards
 that hold them. Judgments (the judge's `$CLAWFLOW_HOME/judgments/*.parquet`) join by turn id;
 a missing directory means no judgments.
+
+Outcome rewards (`$CLAWFLOW_HOME/env_rewards/*.parquet`, written by environments after an
+episode ends) join onto pairs and closed turns by (session_id, turn_index), and by response_text
+when several rows share that key (the members of a sampled group); a turn without a row of its
+own gets its episode's outcome, the session's row at its highest turn_index (OpenClaw-RL adds
+the episode outcome to every step's PRM score). A reward in the turn record itself wins.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ def batch(cat: Catalog, con: duckdb.DuckDBPyConnection, max_turns: int, max_toke
         pair["next_state"] = rows[next_id]["new_messages"]
         pair["next_role"] = _first_role(pair["next_state"])
         pairs.append(pair)
-    return pairs
+    return attach_env_rewards(cat, con, pairs)
 
 
 def closed_without_next_state(cat: Catalog, con: duckdb.DuckDBPyConnection, idle_s: float,
@@ -110,7 +116,39 @@ def closed_without_next_state(cat: Catalog, con: duckdb.DuckDBPyConnection, idle
         ORDER BY p.created_at, p.turn_id"""
     keys = con.execute(sql, {"idle_before": now - timedelta(seconds=idle_s)}).fetchall()
     rows = full_rows(cat, con, [k[0] for k in keys], {k[1] for k in keys})
-    return [rows[k[0]] for k in keys]
+    return attach_env_rewards(cat, con, [rows[k[0]] for k in keys])
+
+
+_ENV_REWARDS = """
+WITH r AS (SELECT session_id, turn_index, response_text, arg_max(env_reward, created_at) AS env_reward
+           FROM read_parquet($env_files, union_by_name = true)
+           WHERE list_contains($sessions, session_id) AND env_reward IS NOT NULL GROUP BY ALL),
+k AS (SELECT session_id, turn_index, count(*) AS n, min(env_reward) AS only_reward FROM r GROUP BY ALL),
+o AS (SELECT session_id, arg_max(env_reward, turn_index) AS outcome FROM r GROUP BY session_id),
+t AS (SELECT unnest($ids) AS turn_id, unnest($sessions) AS session_id, unnest($idx) AS turn_index,
+             unnest($texts) AS response_text)
+SELECT t.turn_id, coalesce(x.env_reward, CASE WHEN k.n = 1 THEN k.only_reward END, o.outcome) AS env_reward
+FROM t LEFT JOIN r AS x ON x.session_id = t.session_id AND x.turn_index = t.turn_index
+                          AND x.response_text = t.response_text
+       LEFT JOIN k ON k.session_id = t.session_id AND k.turn_index = t.turn_index
+       LEFT JOIN o ON o.session_id = t.session_id
+"""
+
+
+def attach_env_rewards(cat: Catalog, con: duckdb.DuckDBPyConnection,
+                       rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Set each row's `env_reward` from the environments' outcome files (see the module doc),
+    unless its turn record already carries one; rows are changed in place and returned."""
+    files = sorted(str(p) for p in (Path(cat.home) / "env_rewards").glob("*.parquet"))
+    todo = [r for r in rows if r.get("env_reward") is None]
+    if not files or not todo:
+        return rows
+    params = {"env_files": files, "ids": [r["turn_id"] for r in todo], "sessions": [r["session_id"] for r in todo],
+              "idx": [int(r["turn_index"]) for r in todo], "texts": [r.get("response_text") or "" for r in todo]}
+    found = dict(con.execute(_ENV_REWARDS, params).fetchall())
+    for r in todo:
+        r["env_reward"] = found.get(r["turn_id"])
+    return rows
 
 
 def judgments_from(home: Path, judge: str | None = None) -> tuple[str, dict[str, Any]]:

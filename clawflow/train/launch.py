@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import clawflow
 from clawflow.config import Config
 
 LOG_TAIL_LINES = 30
+EXIT_NO_SAMPLES = 3  # the recipe's exit status when the batch holds nothing trainable
 
 
 class TrainingError(RuntimeError):
@@ -78,6 +80,7 @@ def run_training(
             _stop(proc)
             raise TrainingError(f"training timed out after {timeout_s:g} s", log_path, None, _resumable(out))
     if rc != 0:
+        rc = _root_cause_exit(log_path) or rc  # torchrun itself exits 1 whatever its worker returned
         raise TrainingError(f"training failed (exit {rc}): {_reason(log_path)}", log_path, rc, _resumable(out))
     return json.loads((out / "train_metrics.json").read_text())
 
@@ -114,6 +117,14 @@ def _reason(log_path: Path) -> str:
     if ours:
         return ours[-1].removeprefix("clawflow.train: error: ")
     return lines[-1] if lines else "no output"
+
+
+def _root_cause_exit(log_path: Path) -> int | None:
+    """The failed worker's exit status from torchrun's "Root Cause" summary, if it printed one."""
+    text = log_path.read_text(errors="replace")
+    cause = text.rfind("Root Cause")
+    found = re.search(r"exitcode\s*:\s*(-?\d+)", text[cause:]) if cause >= 0 else None
+    return int(found.group(1)) if found else None
 
 
 def _tail(log_path: Path) -> str:

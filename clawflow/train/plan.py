@@ -18,11 +18,9 @@ import torch
 from clawflow.config import TrainConfig
 from clawflow.train.batch import Sample, collate, load_samples
 from clawflow.train.checkpoint import is_adapter
+from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.objective import Objective, sample_advantages
 from clawflow.train.teacher import teacher_prompt_ids
-
-
-EXIT_NO_SAMPLES = 3
 
 
 class InputError(Exception):
