@@ -209,6 +209,7 @@ class GateConfig(_Strict):
     holdout_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # opt-in; configs/default.yaml: 0.1
     judged_probes: int = Field(16, ge=0)
     judged_margin: float = Field(0.1, ge=0.0)
+    judged_min_turns: int = Field(3, ge=1)  # fewer held-out turns of a sign: that sign is not checked
     max_probe_tokens: int = Field(1024, ge=2)  # prompt + reply tokens per judged turn (prompt cut from the left)
     probes: list[str] = Field(default_factory=lambda: [
         "What is the capital of France?",

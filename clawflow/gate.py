@@ -63,13 +63,14 @@ def judged_margins(champion_lp: Sequence[float], candidate_lp: Sequence[float],
             "judged_neg_delta": sum(neg) / len(neg) if neg else 0.0}
 
 
-def judged_verdict(m: dict[str, float], margin: float) -> str | None:
-    """Why the candidate is worse on held-out judged turns, or None when it is not."""
+def judged_verdict(m: dict[str, float], margin: float, min_turns: int = 1) -> str | None:
+    """Why the candidate is worse on held-out judged turns, or None when it is not. A sign with
+    fewer than `min_turns` turns says nothing (one turn's change is mostly noise)."""
     pos, neg = m["judged_pos_delta"], m["judged_neg_delta"]
-    if m["judged_pos"] and (not math.isfinite(pos) or pos < -margin):
+    if m["judged_pos"] >= min_turns and (not math.isfinite(pos) or pos < -margin):
         return (f"held-out replies judged good became less likely: {pos:+.4f} nats/token over "
                 f"{int(m['judged_pos'])} turns (allowed −{margin})")
-    if m["judged_neg"] and (not math.isfinite(neg) or neg > margin):
+    if m["judged_neg"] >= min_turns and (not math.isfinite(neg) or neg > margin):
         return (f"held-out replies judged bad became more likely: {neg:+.4f} nats/token over "
                 f"{int(m['judged_neg'])} turns (allowed +{margin})")
     return None
@@ -160,7 +161,7 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
     if m["probe_nll_increase"] > gate.max_nll_increase:
         return GateResult(False, f"probe NLL rose {m['probe_nll_increase']:.4f} nats/token "
                                  f"> {gate.max_nll_increase}", m)
-    if reason := judged_verdict(m, gate.judged_margin):
+    if reason := judged_verdict(m, gate.judged_margin, gate.judged_min_turns):
         return GateResult(False, reason, m)
     held = int(m["judged_pos"] + m["judged_neg"])
     return GateResult(True, f"probe KL {m['probe_kl']:.4f} ≤ {gate.max_kl}; "

@@ -5,19 +5,23 @@
   ~30 s, so it is converted once to safetensors under `$CLAWFLOW_HOME/models/<name>` (~2 s to load).
 - `tiny`: a random-weight Llama with the same tokenizer and chat template, for tests.
 - otherwise `path` is a Hugging Face id or a local directory, used as it is.
+A materialized ChatML model whose template ignores tools gets configs/templates/chatml_tools.jinja.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
-from clawflow.config import Config, ModelConfig
+from clawflow.config import REPO_ROOT, Config, ModelConfig
 
 log = logging.getLogger("clawflow.models")
 _DONE = ".clawflow-complete"
+TOOL_TEMPLATE = REPO_ROOT / "configs" / "templates" / "chatml_tools.jinja"
 
 
 class ModelSourceError(RuntimeError):
@@ -40,6 +44,7 @@ def base_model_dir(cfg: Config) -> str:
         return str(m.path)
     target = cfg.home / "models" / m.name
     if (target / _DONE).exists():
+        add_tool_template(target)  # a directory materialized before tool templates existed
         return str(target)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -49,6 +54,29 @@ def base_model_dir(cfg: Config) -> str:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)  # atomic: a crash mid-conversion never leaves a half model at `target`
     return str(target)
+
+
+def tool_template(template: str) -> str | None:
+    """A ChatML template that renders tools, tool calls and tool results, in place of a ChatML
+    `template` that ignores them (SmolLM2's: the model would never see the tools it is offered),
+    keeping the model's default system prompt; None when `template` needs no replacement."""
+    if "<|im_start|>" not in template or "tools" in template:
+        return None
+    default = re.search(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", template, re.DOTALL)
+    value = json.dumps(default.group(1)) if default else "none"
+    return TOOL_TEMPLATE.read_text().replace("__DEFAULT_SYSTEM__", value)
+
+
+def add_tool_template(model_dir: Path) -> bool:
+    """Swap the materialized model's chat template for `tool_template`'s when it needs one."""
+    path = Path(model_dir) / "chat_template.jinja"
+    new = tool_template(path.read_text()) if path.is_file() else None
+    if new is None:
+        return False
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(new)
+    tmp.replace(path)  # atomic: a reader sees the old template or the new one
+    return True
 
 
 def _source_kwargs(m: ModelConfig) -> tuple[str, dict]:
@@ -68,6 +96,7 @@ def _materialize(m: ModelConfig, out: Path) -> None:
     log.info("materializing model %s from %s %s", m.name, src, kw)
     tok = AutoTokenizer.from_pretrained(src, **kw)
     tok.save_pretrained(out)
+    add_tool_template(out)
     if m.tiny:
         t = m.tiny
         torch.manual_seed(t.seed)

@@ -114,7 +114,7 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, An
             if e.returncode != EXIT_NO_SAMPLES:
                 raise
             registry.end_run(cfg, run_id, "KILLED")
-            return None, {"reason": e.reason}
+            return None, {"reason": "nothing to train: " + e.reason.split("): ", 1)[-1]}
     registry.log_metrics(cfg, run_id, metrics.get("per_step", []),
                          {k: v for k, v in metrics.items() if k != "per_step"})
     return out, metrics

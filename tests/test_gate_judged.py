@@ -77,6 +77,8 @@ def test_margins_and_verdict_by_hand():
     assert "judged bad became more likely: +1.0000" in judged_verdict(m, 0.5)
     assert judged_verdict(m, 1.0) is None
     assert judged_verdict(judged_margins([], [], []), 0.0) is None  # no held-out turns: nothing to say
+    assert judged_verdict(m, 0.25, min_turns=3) is None  # 2 good and 1 bad turn: too few to judge by
+    assert "judged good" in judged_verdict(m, 0.25, min_turns=2)
 
 
 def test_held_out_turns_are_recent_judged_and_disjoint_from_the_batch(judged_store):

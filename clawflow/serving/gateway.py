@@ -16,7 +16,7 @@ from clawflow.config import Config
 from clawflow.serving.engine import Generation, SamplingParams, TorchEngine
 from clawflow.serving.protocol import ChatCompletionRequest, completion_id, now
 from clawflow.serving.sessions import SessionTracker, split_new_messages
-from clawflow.serving.toolcalls import parse_tool_calls
+from clawflow.serving.toolcalls import TOOL_CALL_OPEN, parse_tool_calls
 from clawflow.store.record import TurnRecord
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
@@ -211,20 +211,23 @@ class Gateway:
                     token, logprob, text, top = await asyncio.wait_for(queue.get(), timeout=0.05)
                 except TimeoutError:
                     continue
-                if req.tools:
-                    continue
                 if req.logprobs:
                     pending_lp.append(self.logprob_entry(token, logprob, top))  # as in the non-streamed reply
-                safe = _streamable(text, params.stop)
+                if req.tools:  # text streams until a tool call starts; the calls come parsed at the end
+                    text = text.lstrip().split(TOOL_CALL_OPEN, 1)[0]
+                safe = _streamable(text, [*params.stop, TOOL_CALL_OPEN] if req.tools else params.stop)
                 if safe.startswith(sent) and len(safe) > len(sent):
                     extra = {"logprobs": {"content": pending_lp}} if req.logprobs else {}
                     yield chunk({"content": safe[len(sent):]}, **extra)
                     sent, pending_lp = safe, []
             gen = await task
             reply, finish = self.reply_message(gen, req)
-            if req.tools and reply.get("content"):
-                yield chunk({"content": reply["content"]})
-            elif not req.tools and len(gen.text) > len(sent) and gen.text.startswith(sent):
+            if req.tools:
+                rest = (reply.get("content") or "")
+                if rest.startswith(sent) and len(rest) > len(sent):  # e.g. a malformed call kept as text
+                    extra = {"logprobs": {"content": pending_lp}} if req.logprobs and pending_lp else {}
+                    yield chunk({"content": rest[len(sent):]}, **extra)
+            elif len(gen.text) > len(sent) and gen.text.startswith(sent):
                 extra = {"logprobs": {"content": pending_lp}} if req.logprobs and pending_lp else {}
                 yield chunk({"content": gen.text[len(sent):]}, **extra)
             if reply.get("tool_calls"):

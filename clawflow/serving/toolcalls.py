@@ -8,6 +8,7 @@ import re
 import uuid
 from typing import Any
 
+TOOL_CALL_OPEN = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 

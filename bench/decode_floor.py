@@ -1,0 +1,86 @@
+"""The decode ceiling of the model itself: what any server on this machine can reach at batch B.
+
+A decode step at batch B (one token per row, a KV cache of --context tokens) is timed on the bare
+transformers model, no server around it: B / step time is the best tokens/s a server decoding B
+streams can report, whatever its scheduler. Compare `bench/serving.py`'s figures with it.
+
+Also measured, and why we don't ship it: weight-only-ish int8 (PyTorch dynamic quantization of the
+decoder's Linear layers; the tied lm_head stays fp32) is faster, but the served policy's logprobs
+then differ from the fp32 weights the trainer holds, which is the train/serve gap clawflow exists
+to avoid. The gap is the mean |log p_int8 − log p_fp32| of the actual next tokens of a real text.
+
+    .venv/bin/python bench/decode_floor.py [--batches 1 8 32 --context 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TEXT = ("The Roman Empire grew out of the Roman Republic, and for centuries it ruled the lands around the "
+        "Mediterranean Sea. Its roads, laws and language shaped Europe long after the western half fell in 476. ") * 4
+
+
+def step_time(model, batch: int, context: int, steps: int) -> float:
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(torch.randint(100, 10_000, (batch, context), generator=torch.Generator().manual_seed(0)),
+              cache=cache, use_cache=True, logits_to_keep=1)
+        last = torch.full((batch, 1), 42)
+        mask = torch.ones(batch, context, dtype=torch.long)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)
+            model(last, attention_mask=mask, position_ids=torch.full((batch, 1), context + i), cache=cache,
+                  use_cache=True)
+        return (time.perf_counter() - t0) / steps
+
+
+def next_token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp, logp.gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=120, help="KV cache length (prompt + reply so far)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from clawflow.config import REPO_ROOT, load_config
+    from clawflow.models import base_model_dir
+
+    path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
+    fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    int8 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    int8.model = torch.ao.quantization.quantize_dynamic(int8.model, {torch.nn.Linear}, dtype=torch.qint8)
+
+    print(f"SmolLM2-135M, {args.threads} threads, KV context {args.context}; decode step on the bare model")
+    print(f"{'batch':>5} {'fp32 ms':>8} {'fp32 tok/s':>10} {'int8 ms':>8} {'int8 tok/s':>10} {'int8 speed-up':>13}")
+    for b in args.batches:
+        a, q = step_time(fp32, b, args.context, args.steps), step_time(int8, b, args.context, args.steps)
+        print(f"{b:5d} {a * 1e3:8.1f} {b / a:10.1f} {q * 1e3:8.1f} {b / q:10.1f} {a / q:12.2f}x")
+    ids = torch.tensor([AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"]])
+    (full_a, a), (full_q, q) = next_token_logprobs(fp32, ids), next_token_logprobs(int8, ids)
+    agree = (full_a.argmax(-1) == full_q.argmax(-1)).float().mean()
+    print(f"int8 vs fp32 on {ids.shape[1]} tokens of text: mean |dlogprob| {float((a - q).abs().mean()):.3f} nats, "
+          f"max {float((a - q).abs().max()):.3f}; same argmax at {float(agree):.0%} of positions")
+
+
+if __name__ == "__main__":
+    main()
