@@ -51,9 +51,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     turn_ids = [j["turn_id"] for j in judgments]  # only judged turns are consumed (held-out ones too)
     if not samples:
         # Judged but neutral: nothing to learn; consume them so they are not judged again.
-        commit_consumption(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent)
-        if len(judgments) < len(pairs):
-            release_unjudged(cfg)
+        _consume(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
         reason = "all turns judged neutral" if not held_out else "no trainable turns (neutral or held out for the gate)"
         return _report({"trained": False, "reason": reason, "turns": len(pairs)}, progress)
 
@@ -61,9 +59,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     run_id = start_run(cfg, str(runtime.flow_run.id), parent, pairs, judgments)
     checkpoint, metrics = train_policy(cfg, run_id, base, samples, parent)
     if checkpoint is None:  # the recipe found no usable advantage or hint: consume, nothing to register
-        commit_consumption(cfg, turn_ids, f"untrainable-{runtime.flow_run.id}", parent)
-        if len(judgments) < len(pairs):
-            release_unjudged(cfg)
+        _consume(cfg, turn_ids, f"untrainable-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
         return _report({"trained": False, "reason": metrics["reason"], "turns": len(pairs),
                         "samples": len(samples)}, progress)
     progress(70, "registering the checkpoint")
@@ -76,9 +72,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     if gate.passed:
         promote(cfg, version)
     # Consumed either way: a rejected version's turns would train the same rejected step again.
-    commit_consumption(cfg, turn_ids, run_id, version)
-    if len(judgments) < len(pairs):
-        release_unjudged(cfg)
+    _consume(cfg, turn_ids, run_id, version, all_judged=len(judgments) == len(pairs))
     maintain_store(cfg)
     progress(95, f"reloading the gateway on v{version}" if gate.passed else "done")
     reloaded = reload_gateway(cfg, version, str(checkpoint)) if reload and gate.passed else False
@@ -88,6 +82,13 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
                     "samples": len(samples), "held_out": len(held_out), "reward_mean": sum(rewards) / len(rewards),
                     "promoted": gate.passed, "gate": gate.reason, "mlflow_run": run_id,
                     "reloaded": reloaded, "loss": last[-1].get("loss")}, progress)
+
+
+def _consume(cfg, turn_ids: list[str], consumer: str, version: int, all_judged: bool) -> None:
+    """Mark the judged turns used; turns the judge skipped go back to the queue for the next run."""
+    commit_consumption(cfg, turn_ids, consumer, version)
+    if not all_judged:
+        release_unjudged(cfg)
 
 
 def _report(summary: dict, progress: Progress) -> dict:

@@ -108,20 +108,26 @@ def prefect_api():
         yield
 
 
-@contextlib.contextmanager
-def use_prefect_api(api: str):
-    """Point this process's Prefect client at `api`. Prefect keeps one events worker per process,
-    bound to the API it started with (task runs reach the server as events), so it is drained
-    on the way in and out: otherwise tests after a switch send their runs to the wrong server."""
+def drain_prefect_events() -> None:
+    """Prefect keeps one events worker per process, bound to the API it started with (task runs
+    reach the server as events): drain it whenever a test switches API, or the runs of the tests
+    after the switch go to the wrong server. The next event starts a worker on the current API."""
     from prefect.events.worker import EventsWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     EventsWorker.drain_all(timeout=10)
+
+
+@contextlib.contextmanager
+def use_prefect_api(api: str):
+    """Point this process's Prefect client at `api`, with a fresh events worker in and out."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    drain_prefect_events()
     try:
         with temporary_settings({PREFECT_API_URL: api}):
             yield
     finally:
-        EventsWorker.drain_all(timeout=10)
+        drain_prefect_events()
 
 
 @contextlib.contextmanager

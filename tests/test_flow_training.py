@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from clawflow import ops, registry, runwatch
 from clawflow.cli import app
 from clawflow.holdout import in_holdout
+from conftest import drain_prefect_events
 
 
 def api_url() -> str:
@@ -25,18 +26,10 @@ def api_url() -> str:
     return PREFECT_API_URL.value()
 
 
-def fresh_events_worker() -> None:
-    """Prefect keeps one events worker per process, bound to the API URL it started with; after a
-    test against another server (prefect_server), task-run events would go there. Start anew."""
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.drain_all(timeout=10)
-
-
 def test_training_run_holds_out_turns_records_lineage_and_progress(make_config, prefect_api):
     from flows.train_on_new_feedback import train_on_new_feedback
 
-    fresh_events_worker()
+    drain_prefect_events()
     cfg = make_config(gate={"holdout_fraction": 0.5})
     assert ops.provision(cfg) == (1, cfg.model.path)  # the base: v1, champion
     sessions = feedback_turns(8)
@@ -115,7 +108,7 @@ def test_nothing_trainable_for_the_objective_ends_not_trained(make_config, prefe
 
     from clawflow.store.catalog import Catalog
 
-    fresh_events_worker()
+    drain_prefect_events()
     cfg = make_config(train={"objective": "opd"})
     ops.provision(cfg)
     seal_turns(cfg.home, [s for s in feedback_turns(8) if s[2] > 0])

@@ -223,7 +223,7 @@ class Gateway:
             gen = await task
             reply, finish = self.reply_message(gen, req)
             if req.tools:
-                rest = (reply.get("content") or "")
+                rest = reply.get("content") or ""
                 if rest.startswith(sent) and len(rest) > len(sent):  # e.g. a malformed call kept as text
                     extra = {"logprobs": {"content": pending_lp}} if req.logprobs and pending_lp else {}
                     yield chunk({"content": rest[len(sent):]}, **extra)

@@ -51,7 +51,8 @@ class ChatMessage(_Open):
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.tool_calls:
             msg["tool_calls"] = [
-                {"type": "function", "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
+                {"type": "function",
+                 "function": {"name": c.function.name, "arguments": tool_arguments(c.function.arguments)}}
                 for c in self.tool_calls
             ]
         if self.tool_call_id:
@@ -61,7 +62,8 @@ class ChatMessage(_Open):
         return msg
 
 
-def _args(arguments: str | dict[str, Any]) -> dict[str, Any]:
+def tool_arguments(arguments: str | dict[str, Any]) -> dict[str, Any]:
+    """Tool-call arguments as an object (chat templates and session hashing need one normal form)."""
     if isinstance(arguments, dict):
         return arguments
     try:

@@ -18,6 +18,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from clawflow.serving.protocol import tool_arguments
+
 
 def _canon(msg: dict[str, Any]) -> dict[str, Any]:
     """The parts of a message that identify it (clients re-send history with cosmetic changes)."""
@@ -25,20 +27,8 @@ def _canon(msg: dict[str, Any]) -> dict[str, Any]:
     return {
         "role": msg.get("role"),
         "content": (msg.get("content") or "").strip(),
-        "tool_calls": [[c["function"]["name"], _arguments(c["function"].get("arguments"))] for c in calls],
+        "tool_calls": [[c["function"]["name"], tool_arguments(c["function"].get("arguments"))] for c in calls],
     }
-
-
-def _arguments(args: Any) -> Any:
-    """Tool-call arguments as an object: the reply holds the JSON string the model wrote, the
-    re-sent history (after protocol parsing) the parsed object; both must hash alike."""
-    if not isinstance(args, str):
-        return args
-    try:  # the same normal form as protocol._args gives the re-sent history
-        parsed = json.loads(args or "{}")
-    except json.JSONDecodeError:
-        return {"raw": args}
-    return parsed if isinstance(parsed, dict) else {"value": parsed}
 
 
 def history_key(messages: list[dict[str, Any]]) -> str:
