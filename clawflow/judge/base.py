@@ -61,7 +61,12 @@ def majority(votes: list[int | None]) -> int:
 
 async def judge_many(judge: Judge, items: list[JudgeInput], concurrency: int = 8) -> list[Judgment | None]:
     """Judge `items` concurrently (bounded), results in input order; None where the judge was
-    unavailable for that item. Other exceptions (bugs) propagate."""
+    unavailable for that item. Other exceptions (bugs) propagate. A judge with a
+    `judge_batch(items)` method (the embedded one: one batched forward for several turns) gets
+    the items `concurrency` at a time instead."""
+    batch = getattr(judge, "judge_batch", None)
+    if batch is not None:
+        return [j for at in range(0, len(items), concurrency) for j in batch(items[at:at + concurrency])]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(item: JudgeInput) -> Judgment | None:
