@@ -27,7 +27,7 @@ from clawflow.judge.dataset import load_labelled
 from clawflow.judge.evaluate import evaluate
 
 LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
-BATCH = re.compile(r"^[a-z]+?([23])?-\d+$")  # `…2-`, `…3-`: later batches (configs/judge/README.md)
+BATCH = re.compile(r"^[a-z]+?([234])?-\d+$")  # `…2-`, `…3-`: later batches (configs/judge/README.md)
 
 
 def latencies(judge, items, repeat: int) -> tuple[list[float], list[float]]:
@@ -111,7 +111,7 @@ def main() -> None:
         print(row(f"embedded ({threads} thread{'s' if threads > 1 else ''})", evaluate(embedded, test), ms, base))
         print(f"  the same, {args.batch} turns at a time (judge_many, as the flow judges): "
               f"{batched_ms(embedded, test, args.batch):.1f} ms per turn")
-    for batch in ("1", "2", "3"):
+    for batch in ("1", "2", "3", "4"):
         mine = [i for i in test if ((m := BATCH.match(i.id)) and (m.group(1) or "1")) == batch]
         r = evaluate(embedded, mine)
         print(f"embedded on batch {batch}'s {len(mine)} test items: {r.accuracy:.3f} ({r.correct}/{r.n})")

@@ -37,7 +37,7 @@ from clawflow.judge.embedded import (
 from clawflow.judge.head import fit
 from clawflow.judge.stack import fit_stacked, stacked_probs
 
-BATCHES = {"second": re.compile(r"^[a-z]+2-\d+$"), "third": re.compile(r"^[a-z]+3-\d+$")}
+BATCHES = {f"{n}": re.compile(rf"^[a-z]+{d}-\d+$") for n, d in (("second", 2), ("third", 3), ("fourth", 4))}
 
 
 def cv_predictions(rows: list, l2: float, l2_reader: float | None, k: int, seed: int) -> dict[str, int]:

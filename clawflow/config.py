@@ -66,6 +66,11 @@ class ServingConfig(_Strict):
     engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (README)
     sglang_url: str = "http://127.0.0.1:30010"
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # torch engine: prompt KV kept for reuse by later prompts sharing a prefix (system prompt, earlier
+    # turns); 0 disables. ~46 KB per token for SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 x
+    # K,V), so 8192 tokens ≈ 377 MB; half that in bfloat16.
+    prefix_cache_tokens: int = Field(8192, ge=0)
+    prefix_cache_min_tokens: int = Field(16, ge=1)  # a shorter shared prefix is prefilled again (not worth it)
 
 
 class StoreConfig(_Strict):

@@ -150,6 +150,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         c = gw.counters
+        prefix = getattr(getattr(gw.engine, "batcher", None), "prefix", None)  # None: sglang, or cache off
         lines = [
             f"clawflow_requests_total {c.requests}",
             f"clawflow_prompt_tokens_total {c.prompt_tokens}",
@@ -161,6 +162,8 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             f"clawflow_requests_cancelled_total {c.cancelled}",
             f"clawflow_decode_aborted_total {getattr(getattr(gw.engine, 'batcher', None), 'aborted', 0)}",
             f"clawflow_queue_depth {gw.engine.queue_depth}",
+            f"clawflow_prefix_cache_hits_total {getattr(prefix, 'hits', 0)}",
+            f"clawflow_prefix_cache_reused_tokens_total {getattr(prefix, 'reused_tokens', 0)}",
             f"clawflow_active_requests {gw.engine.active}",
             *c.latency.prometheus("clawflow_request_latency_seconds"),
             *STORE_METRICS.prometheus(),  # torn WAL records, quarantined shards, sealed turns

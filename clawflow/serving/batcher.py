@@ -16,13 +16,17 @@ So this is a compact left-padded decoder over a `DynamicCache`:
 - one batch per policy version: a request pins the policy that was serving when it was admitted and
   finishes on it; a reload only changes where new requests go, and an old version's batch (and
   model) is dropped when its last request ends;
-- a bounded waiting queue: `submit` raises `QueueFull` instead of queueing without limit.
+- a bounded waiting queue: `submit` raises `QueueFull` instead of queueing without limit;
+- a prefix KV cache (clawflow/serving/prefix_cache.py): a prompt that starts with tokens an earlier
+  prompt prefilled on the same policy prefills only its new tail; a request with no hit runs exactly
+  as without the cache. Entries of a policy that no longer serves are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from clawflow.serving.engine import Generation, SamplingParams, TokenCallback
+from clawflow.serving.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from clawflow.serving.engine import TorchEngine, _Policy
@@ -68,8 +73,13 @@ class _Batch:
 
 
 class Batcher:
-    def __init__(self, engine: TorchEngine, max_batch: int, max_queue: int):
+    def __init__(self, engine: TorchEngine, max_batch: int, max_queue: int, prefix_cache_tokens: int = 0,
+                 prefix_cache_min_tokens: int = 16):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.prefix = PrefixCache(prefix_cache_tokens, prefix_cache_min_tokens) if prefix_cache_tokens > 0 else None
+        # the policy whose KV the prefix cache holds (only the serving policy prefills); a weak
+        # reference, so a replaced model is not kept alive by it
+        self._prefix_owner: tuple[weakref.ref, int] | None = None
         self._waiting: deque[_Row] = deque()
         self._batches: dict[int, _Batch] = {}
         self._running = 0  # admitted and not finished (prefilling or in a batch)
@@ -126,6 +136,8 @@ class Batcher:
                     self._guard(batch.rows, lambda b=batch: self._step(b))
                     if not batch.rows:
                         del self._batches[version]  # an old version's model is freed with its last request
+                        if self.prefix is not None and version != self.engine._policy.version:
+                            self.prefix.drop_version(version)  # and so is its KV
 
     def _guard(self, rows: list[_Row], fn) -> None:
         try:
@@ -144,9 +156,18 @@ class Batcher:
 
         row.policy = policy = self.engine._policy  # pinned: this request finishes on this version
         cache = DynamicCache()
+        reused, layers = self._prefix_lookup(policy, row.prompt_ids)
+        kwargs = {}
+        if reused:  # the cache holds prompt_ids[:reused]; run the tail at its real positions
+            for i, (k, v) in enumerate(layers):
+                cache.update(k, v, i)  # DynamicLayer copies them in (torch.cat): the stored KV stays intact
+            kwargs["position_ids"] = torch.arange(reused, len(row.prompt_ids))[None]
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head
         # over every prompt token, ~20 % of a prefill) would be thrown away.
-        out = policy.model(torch.tensor([row.prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        out = policy.model(torch.tensor([row.prompt_ids[reused:]]), cache=cache, use_cache=True, logits_to_keep=1,
+                           **kwargs)
+        if self.prefix is not None:  # the cache holds exactly the prompt's KV here (no sampled token yet)
+            self.prefix.store(policy.version, row.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
         if self._emit(row, out.logits[0, -1]):
             return self._finish(row)
         n = len(row.prompt_ids)
@@ -165,6 +186,15 @@ class Batcher:
             batch.mask = torch.cat([batch.mask, mask])
             batch.pos, batch.last = torch.cat([batch.pos, pos]), torch.cat([batch.last, last])
         batch.rows.append(row)
+
+    def _prefix_lookup(self, policy, prompt_ids: list[int]):
+        if self.prefix is None:
+            return 0, None
+        owner = self._prefix_owner
+        if owner is not None and owner[0]() is not policy:  # a reload (even to the same version number)
+            self.prefix.drop_version(owner[1])
+        self._prefix_owner = (weakref.ref(policy), policy.version)
+        return self.prefix.lookup(policy.version, prompt_ids)
 
     def _step(self, batch: _Batch) -> None:
         mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)

@@ -63,7 +63,8 @@ TokenCallback = Callable[[int, float, str, "list[tuple[int, float]] | None"], bo
 
 class TorchEngine:
     def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
-                 max_batch: int = 32, max_queue: int = 64):
+                 max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
+                 prefix_cache_min_tokens: int = 16):
         from transformers import AutoTokenizer
 
         if threads:
@@ -76,7 +77,7 @@ class TorchEngine:
         self.eos_ids = self._eos_ids()
         from clawflow.serving.batcher import Batcher
 
-        self.batcher = Batcher(self, max_batch, max_queue)
+        self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens)
 
     # -- weights ---------------------------------------------------------------------------
     def _load(self, path: str):

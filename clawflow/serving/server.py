@@ -46,7 +46,9 @@ def build_app(cfg: Config):
         engine = SGLangEngine(s.sglang_url, path, version=version, max_batch=s.max_concurrency, max_queue=s.max_queue)
     else:
         engine = TorchEngine(path, version=version, dtype=cfg.model.dtype, threads=s.threads,
-                             max_batch=s.max_concurrency, max_queue=s.max_queue)
+                             max_batch=s.max_concurrency, max_queue=s.max_queue,
+                             prefix_cache_tokens=s.prefix_cache_tokens,
+                             prefix_cache_min_tokens=s.prefix_cache_min_tokens)
     writer, sealer = open_store(cfg.home, cfg.store)
     gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
     log.info("serving %s v%s from %s", cfg.model.name, version, path)

@@ -1,0 +1,87 @@
+"""Prefix KV cache of the embedded engine's batcher: a small LRU of prompts' prefilled KV.
+
+A request whose prompt starts with tokens an earlier prompt already prefilled (a chat template's
+system prompt, an agent's long system prompt, the earlier turns a multi-turn chat re-sends) reuses
+their keys/values and prefills only the new tail: SGLang's RadixAttention / vLLM's prefix caching,
+without the tree. Entries are keyed by policy version: another model's KV is never returned.
+
+Tensors are shared, never copied, and never written in place: `lookup` hands out slices (views)
+of the stored tensors, and everything that later touches them makes new tensors: transformers'
+`DynamicLayer.update` (5.x, cache_utils.py) and `lazy_initialization` grow a layer with
+`torch.cat([self.keys, key_states], dim=-2)`; the batcher pads, merges and trims with `torch.cat`
+and indexing. Used from the decode thread only (no lock).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, kv_heads, T, head_dim]
+
+
+def common_prefix(a: tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    def __init__(self, max_tokens: int, min_tokens: int):
+        self.max_tokens, self.min_tokens = max_tokens, min_tokens
+        self._entries: OrderedDict[tuple[Any, tuple[int, ...]], Layers] = OrderedDict()  # oldest use first
+        self.tokens = 0  # stored tokens, all entries together
+        self.lookups = self.hits = self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def versions(self) -> set:
+        return {v for v, _ in self._entries}
+
+    def lookup(self, version, prompt_ids: list[int]) -> tuple[int, Layers | None]:
+        """(n, per-layer KV of prompt_ids[:n]) from the entry sharing the longest prefix, or (0, None).
+        n <= len(prompt_ids) - 1: the last prompt token is always run, its logits give the first token."""
+        self.lookups += 1
+        best, best_key = 0, None
+        for key in self._entries:
+            if key[0] == version and (n := common_prefix(key[1], prompt_ids)) > best:
+                best, best_key = n, key
+        best = min(best, len(prompt_ids) - 1)
+        if best_key is None or best < self.min_tokens:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        self.hits += 1
+        self.reused_tokens += best
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in self._entries[best_key]]
+
+    def store(self, version, prompt_ids: list[int], layers: Layers) -> None:
+        """Keep prompt_ids' KV, then evict least recently used entries down to max_tokens."""
+        tokens = tuple(prompt_ids)
+        if len(tokens) > self.max_tokens or len(tokens) < self.min_tokens:
+            return  # too long to keep, or too short to ever be reused
+        for key in list(self._entries):
+            if key[0] != version:
+                continue
+            n = common_prefix(key[1], tokens)
+            if n == len(tokens) < len(key[1]):  # a longer entry already serves every lookup this one would
+                self._entries.move_to_end(key)
+                return
+            if n == len(key[1]):  # the same tokens (replaced), or a prefix of the new prompt (an earlier
+                self._remove(key)  # turn of this chat): the new entry serves every lookup it would
+        self._entries[(version, tokens)] = [(k[:, :, : len(tokens)], v[:, :, : len(tokens)]) for k, v in layers]
+        self.tokens += len(tokens)
+        while self.tokens > self.max_tokens:
+            self._remove(next(iter(self._entries)))
+
+    def drop_version(self, version) -> None:
+        for key in [k for k in self._entries if k[0] == version]:
+            self._remove(key)
+
+    def _remove(self, key) -> None:
+        del self._entries[key]
+        self.tokens -= len(key[1])
