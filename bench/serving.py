@@ -81,12 +81,14 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
-def start_clawflow(model: str, tmp: Path) -> Server:
+def start_clawflow(model: str, tmp: Path, fsync: str | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     raw["home"] = str(tmp / "clawflow-home")
     raw["model"] = {"name": "smollm2-135m-instruct", "path": model}
     raw["serving"].update(port=port, max_concurrency=32, max_queue=64)
+    if fsync:
+        raw["store"]["fsync"] = fsync
     cfg = tmp / "clawflow.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     log = tmp / "clawflow.log"
@@ -284,6 +286,8 @@ def main() -> None:
     ap.add_argument("--max-warmup", type=float, default=90.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating the order")
+    ap.add_argument("--fsync", choices=["always", "group", "never"], default=None,
+                    help="the recording store's store.fsync (default: configs/default.yaml's)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["plain", "cb", "norec"])
     args = ap.parse_args()
 
@@ -292,7 +296,7 @@ def main() -> None:
     print(f"model {model}; logs in {tmp}; load average at start {os.getloadavg()}", flush=True)
     servers: dict[str, Server] = {}
     try:
-        servers["clawflow (recording)"] = ours = start_clawflow(model, tmp)
+        servers["clawflow (recording)"] = ours = start_clawflow(model, tmp, args.fsync)
         if "norec" not in args.skip:
             servers["clawflow (no recording)"] = unrecorded(ours)
         if "cb" not in args.skip:
