@@ -23,6 +23,7 @@ import time
 import torch
 
 from clawflow.config import JudgeConfig
+from clawflow.judge.dataset import load_labelled
 from clawflow.judge.embedded import (
     L2,
     L2_READER,
@@ -32,6 +33,7 @@ from clawflow.judge.embedded import (
     _read_exemplars,
     shared_encoder,
     shared_reader,
+    state_text,
     train_rows,
 )
 from clawflow.judge.head import fit
@@ -109,7 +111,7 @@ def main() -> None:
         cfg.embedded.reader_layers = layers
         start = time.perf_counter()
         rows = train_rows(encoder, shared_reader(cfg), exemplars, emb, labelled_path)
-        texts = {r[0]: "" for r in rows}
+        texts = {i.id: state_text(i.input)[:80] for i in load_labelled(labelled_path, "train")}
         counts = "  ".join(f"{sum(bool(rx.match(r[0])) for r in rows)} of the {b} batch" for b, rx in BATCHES.items())
         print(f"train split: {len(rows)} items ({counts}); reader: {layers} layers; {args.folds}-fold CV × "
               f"{args.seeds} seeds; features in {time.perf_counter() - start:.0f} s", flush=True)

@@ -317,6 +317,11 @@ def config_path(path: str | os.PathLike | None = None) -> Path:
     return Path(chosen).expanduser().resolve()
 
 
+def default_home() -> Path:
+    """`home` when no config file names one: $CLAWFLOW_HOME, else Config's default, resolved."""
+    return Path(os.environ.get("CLAWFLOW_HOME") or Config.model_fields["home"].default).expanduser().resolve()
+
+
 def load_config(path: str | os.PathLike | None = None) -> Config:
     src = config_path(path)
     if not src.is_file():

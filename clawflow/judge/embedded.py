@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from clawflow.config import REPO_ROOT, JudgeConfig
+from clawflow.config import REPO_ROOT, JudgeConfig, default_home
 from clawflow.judge.base import JudgeInput, Judgment
 from clawflow.judge.dataset import load_labelled
 from clawflow.judge.features import CLASSES, clauses, feature_vector
@@ -46,11 +45,6 @@ DATA_DIR = REPO_ROOT / "configs" / "judge"
 @lru_cache(maxsize=4)
 def shared_encoder(threads: int | None = 1) -> MiniLM:
     return MiniLM(threads=threads)
-
-
-def default_home() -> Path:
-    """Where the reader model is materialized when the caller names no home (as load_config does)."""
-    return Path(os.environ.get("CLAWFLOW_HOME") or ".clawflow").expanduser().resolve()
 
 
 @lru_cache(maxsize=4)
