@@ -118,6 +118,9 @@ def test_clear_user_cases(judge, text, score):
 @pytest.mark.parametrize("output, score", [
     ('Traceback (most recent call last):\n  File "app.py", line 3\nNameError: name "x" is not defined', -1),
     ("collected 12 items\n\n............ [100%]\n12 passed in 0.41s", 1),
+    # a long log whose verdict is at the end, in words the first cue set missed
+    ("".join(f"Step {i}/24 : RUN pip install package-{i}\n ---> Using cache\n" for i in range(1, 20))
+     + "Step 20/24 : RUN npm ci\nThe command '/bin/sh -c npm ci' returned a non-zero code: 1", -1),
 ])
 def test_clear_tool_cases(judge, output, score):
     j = asyncio.run(judge(tool_turn(output)))

@@ -35,3 +35,13 @@ def test_the_final_head_learns_from_the_probe():
     pred = stacked_probs(probe, final, tx, trx).argmax(1)
     accuracy = (pred == torch.tensor([y + 1 for y in tlabels])).float().mean()
     assert accuracy >= 0.9  # noise features alone would give about 1/3
+
+
+def test_the_reader_reads_a_long_tool_result_by_its_head_and_tail():
+    from clawflow.judge.reader import clip_tokens
+
+    ids = list(range(200))
+    assert clip_tokens(ids, "tool", 64, 48) == list(range(48)) + list(range(152, 200))
+    assert clip_tokens(ids[:96], "tool", 64, 48) == ids[:96]  # not longer than head + tail: whole
+    assert clip_tokens(ids, "user", 64, 48) == ids[:64]  # a user message: from the start
+    assert clip_tokens([], "tool") == [] and clip_tokens(ids[:10], "user") == ids[:10]

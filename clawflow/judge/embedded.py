@@ -33,7 +33,7 @@ from clawflow.judge.stack import fit_stacked, stacked_probs
 
 log = logging.getLogger(__name__)
 _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="judge-reader")
-FEATURES_VERSION = "3"
+FEATURES_VERSION = "4"
 L2 = 0.03  # chosen by 5-fold cross-validation on the train split (bench/judge_cv.py)
 L2_READER = 0.03  # the reader's probe (576 features): same CV
 STACK_FOLDS = 5
@@ -198,13 +198,21 @@ def _load_head(path: Path, digest: str) -> dict[str, torch.Tensor] | None:
 
 
 def train_rows(encoder: MiniLM, reader: Reader, exemplars: dict[str, list[dict]], emb: dict[str, torch.Tensor],
-               labelled: Path) -> list[tuple[str, str, torch.Tensor, torch.Tensor, int]]:
-    """(id, role, MiniLM features, reader features, label) of each train item, in file order."""
-    rows = []
-    for item in load_labelled(labelled, "train"):
-        role, text, x = item_features(encoder, exemplars, emb, item.input)
-        rows.append((item.id, role, x[0], reader.features(role, text), item.label))
-    return rows
+               labelled: Path, batch: int = 16) -> list[tuple[str, str, torch.Tensor, torch.Tensor, int]]:
+    """(id, role, MiniLM features, reader features, label) of each train item, in file order. Both
+    encoders run batched (texts of similar length together for the reader, so little padding)."""
+    items = load_labelled(labelled, "train")
+    x: list[torch.Tensor] = []
+    for at in range(0, len(items), batch):
+        x += items_features(encoder, exemplars, emb, [i.input for i in items[at:at + batch]])
+    roles, texts = [item_role(i.input) for i in items], [state_text(i.input) for i in items]
+    order = sorted(range(len(items)), key=lambda i: len(texts[i]))
+    rx: list[torch.Tensor | None] = [None] * len(items)
+    for at in range(0, len(order), batch):
+        idx = order[at:at + batch]
+        for i, f in zip(idx, reader.features_batch([roles[i] for i in idx], [texts[i] for i in idx])):
+            rx[i] = f
+    return [(i.id, roles[n], x[n], rx[n], i.label) for n, i in enumerate(items)]
 
 
 def fit_role(rows: list, role: str) -> tuple[Head, Head]:

@@ -52,7 +52,9 @@ _CUES = {
         re.compile(r"traceback|\berror\b|exception|\bfailed\b|failure|fatal|denied|not found|no such|refused|"
                    r"timed? ?out|cannot|can't|could not|unable|invalid|rejected|segmentation fault|killed|panic|"
                    r"\b[45]\d\d\b (?!ms)|(?<!\b0% )packet loss|ERR!|unauthori[sz]ed|not resolve|reset by peer|"
-                   r"exit (code|status) [1-9]", _I),
+                   r"exit (code|status) [1-9]|non-?zero (code|exit|status)|\bFAIL\b|[✕✗✘❌]|crashloopbackoff|"
+                   r"imagepullbackoff|errimagepull|oomkilled|\bevicted\b|\bbroken\b|undefined:|no rule to make|"
+                   r"\bCONFLICT\b|\babort(ed|ing)?\b|command not found|\bunmet\b", _I),
         # a structured failure
         re.compile(r"\"(status|state)\": \"(error|failed|failure)\"|\"(confirmed|success|ok)\": false|\"error\":", _I),
         re.compile(r"\b0 (errors?|failed|issues)\b|no issues|all checks passed|\bpassed\b|succe(ss|eded)|successfully|"

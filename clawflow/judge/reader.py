@@ -8,6 +8,10 @@ and mean-pools the hidden states of the next state's tokens. A logistic head on 
 gives p(−1, 0, +1), which the embedded judge stacks onto its MiniLM features
 (`clawflow/judge/stack.py`).
 
+A long tool result is read as its first and last `tool_tokens` tokens: a test run, a build or a
+deploy says how it went at the end ("1 failed", "exit code 2", "CrashLoopBackOff"), after a head
+that says what ran. User messages are read from the start (`max_tokens`).
+
 Middle layers read best (5-fold CV on the train split, `bench/judge_cv.py`; see configs/judge/README.md).
 The final norm is skipped, so the features are the residual stream at layer `layers` itself. Opt-in:
 dynamic int8 linears (`judge.embedded.reader_int8`), twice as fast and less accurate.
@@ -17,12 +21,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-READER_VERSION = "1"
+READER_VERSION = "2"  # 2: a long tool result is read as its head and tail
+
+
+def clip_tokens(ids: list[int], role: str, max_tokens: int = 64, tool_tokens: int = 48) -> list[int]:
+    """The tokens of a next state that the reader reads: a user message's first `max_tokens`; a
+    tool result's first and last `tool_tokens` when it is longer than both (5-fold CV on the train
+    split, tool items: 0.89 for the first 64 tokens, 0.916 for 48 + 48, 0.918 for 64 + 64)."""
+    if role == "tool":
+        return ids if len(ids) <= 2 * tool_tokens else ids[:tool_tokens] + ids[-tool_tokens:]
+    return ids[:max_tokens]
 
 
 class Reader:
     def __init__(self, model_dir: str | Path, layers: int = 14, max_tokens: int = 64, threads: int | None = 1,
-                 int8: bool = False):
+                 int8: bool = False, tool_tokens: int = 48):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -40,7 +53,7 @@ class Reader:
             # Twice as fast per turn (26 vs 49 ms at 14 layers and 22 tokens, 1 thread), but CV accuracy
             # drops (0.885 vs 0.902): opt-in. The head is fitted on whatever features the reader gives.
             self.model = torch.ao.quantization.quantize_dynamic(self.model, {torch.nn.Linear}, dtype=torch.qint8)
-        self.layers, self.max_tokens, self.threads = layers, max_tokens, threads
+        self.layers, self.max_tokens, self.tool_tokens, self.threads = layers, max_tokens, tool_tokens, threads
         self._end = self.tokenizer("<|im_end|>")["input_ids"]
 
     @property
@@ -58,7 +71,7 @@ class Reader:
         rows, spans = [], []
         for role, text in zip(roles, texts):
             prefix = self.tokenizer(f"<|im_start|>{role}\n")["input_ids"]
-            body = self.tokenizer(text)["input_ids"][: self.max_tokens]
+            body = clip_tokens(self.tokenizer(text)["input_ids"], role, self.max_tokens, self.tool_tokens)
             rows.append(prefix + body + self._end)
             spans.append((len(prefix), len(rows[-1])))
         width = max(len(r) for r in rows)
