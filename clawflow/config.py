@@ -126,8 +126,8 @@ class EmbeddedJudgeConfig(_Strict):
     # The head is trained on this exact model's features: change it only with a rebuilt head.
     reader: ModelConfig = Field(default_factory=_smollm2)
     reader_layers: int = Field(14, ge=1)
-    # Dynamic int8 linears: the reader twice as fast, CV accuracy 0.885 instead of 0.902 (the head is
-    # then refitted at load, ~40 s). See configs/judge/README.md.
+    # Dynamic int8 linears: the reader twice as fast, CV accuracy 0.855 instead of 0.883 on the 797
+    # train items (the head is then refitted at load, ~1 min). See configs/judge/README.md.
     reader_int8: bool = False
 
 
