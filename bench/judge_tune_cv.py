@@ -34,12 +34,14 @@ from judge_cv import BATCHES  # noqa: E402 - same batches
 
 from clawflow.config import JudgeConfig, default_home  # noqa: E402
 from clawflow.judge.dataset import load_labelled  # noqa: E402
-from clawflow.judge.embedded import ROLES, _paths, _read_exemplars, item_role, items_features, shared_encoder, state_text  # noqa: E402
+from clawflow.judge.embedded import L2, L2_READER, ROLES, STACK_FOLDS, _paths, _read_exemplars, item_role, items_features, shared_encoder, state_text  # noqa: E402
 from clawflow.judge.features import CLASSES  # noqa: E402
 from clawflow.judge.head import fit  # noqa: E402
+from clawflow.judge.stack import fit_stacked, stacked_probs, with_probs  # noqa: E402
 from clawflow.judge.reader import clip_tokens  # noqa: E402
 from clawflow.models import model_dir  # noqa: E402
 
+BASELINE = {False: "frozen probe", True: "shipped stack"}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -114,9 +116,9 @@ class Data:
         return torch.stack([h[j, self.spans[i][0]:self.spans[i][1]].mean(0) for j, i in enumerate(idx)])
 
 
-def fold_accuracies(data: Data, frozen: torch.Tensor, train: list[int], held: list[int], start: int, args,
-                    seed: int) -> tuple[float, torch.Tensor]:
-    """(frozen probe accuracy, fine-tuned per-item correctness) on `held`."""
+def fine_tune(data: Data, train: list[int], start: int, args, seed: int, frozen: torch.Tensor):
+    """Train the top layers + a linear head on `train`; return (frozen probe's probs, tuned probs),
+    each a function of item indices giving (n, 3) probabilities."""
     torch.manual_seed(seed)
     top = torch.nn.ModuleList([copy.deepcopy(layer) for layer in data.model.layers[start:]])
     if args.lora:
@@ -125,22 +127,18 @@ def fold_accuracies(data: Data, frozen: torch.Tensor, train: list[int], held: li
         p.requires_grad = not args.lora or "lora_" in name
 
     def inputs(pooled: torch.Tensor, idx: list[int]) -> torch.Tensor:
-        return pooled if data.v2 is None else torch.cat([pooled, torch.stack([data.v2[i] for i in idx])], 1)
+        return pooled if data.v2 is None or args.stacked else torch.cat([pooled, torch.stack([data.v2[i] for i in idx])], 1)
 
-    heads, probe_ok = torch.nn.ModuleDict(), torch.zeros(len(held), dtype=torch.bool)
-    norm = {}
+    heads, probes, norm = torch.nn.ModuleDict(), {}, {}
     for role in ROLES:
         mine = [i for i in train if data.roles[i] == role]
-        probe = fit(inputs(frozen[mine], mine), [data.items[i].label for i in mine], 0.03)  # as the judge fits it
-        js = [j for j, i in enumerate(held) if data.roles[i] == role]
-        hi = [held[j] for j in js]
-        probe_ok[js] = probe.probs(inputs(frozen[hi], hi)).argmax(-1) == data.labels[hi]
-        norm[role] = (probe.mean, probe.std)
-        heads[role] = torch.nn.Linear(probe.weight.shape[0], 3)
+        probes[role] = fit(inputs(frozen[mine], mine), [data.items[i].label for i in mine], 0.03)  # as the judge fits it
+        norm[role] = (probes[role].mean, probes[role].std)
+        heads[role] = torch.nn.Linear(probes[role].weight.shape[0], 3)
         with torch.no_grad():
-            if data.v2 is not None:  # start from the joint probe: the MiniLM half is already fitted
-                heads[role].weight.copy_(probe.weight.T)
-                heads[role].bias.copy_(probe.bias)
+            if data.v2 is not None and not args.stacked:  # start from the joint probe: MiniLM's half is fitted
+                heads[role].weight.copy_(probes[role].weight.T)
+                heads[role].bias.copy_(probes[role].bias)
             else:
                 heads[role].weight.zero_()
                 heads[role].bias.zero_()
@@ -174,9 +172,45 @@ def fold_accuracies(data: Data, frozen: torch.Tensor, train: list[int], held: li
             opt.step()
             sched.step()
     top.eval()
-    with torch.inference_mode():
-        pred = torch.cat([logits(held[at:at + 32], False).argmax(-1) for at in range(0, len(held), 32)])
-    return float(probe_ok.float().mean()), pred == data.labels[held]
+
+    def tuned(idx: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.cat([logits(idx[at:at + 32], False).softmax(-1) for at in range(0, len(idx), 32)])
+
+    def probe(idx: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(idx), 3)
+        for role in ROLES:
+            js = [j for j, i in enumerate(idx) if data.roles[i] == role]
+            if js:
+                out[js] = probes[role].probs(inputs(frozen[[idx[j] for j in js]], [idx[j] for j in js]))
+        return out
+
+    return probe, tuned
+
+
+def stacked_fold(data: Data, frozen: torch.Tensor, train: list[int], held: list[int], args, seed: int):
+    """Per-item correctness on `held` of (the shipped stack: MiniLM features + the frozen reader's
+    out-of-fold probe probs; the same with the fine-tuned reader's probs). The fine-tuned reader's
+    out-of-fold probs come from 2 inner halves (5 would cost 5 fine-tunings per fold)."""
+    halves = [train[0::2], train[1::2]]
+    oof = torch.zeros(len(data.items), 3)
+    for k in (0, 1):
+        _, tuned = fine_tune(data, halves[k], args.train_from, args, seed + k + 1, frozen)
+        oof[halves[1 - k]] = tuned(halves[1 - k])
+    _, tuned = fine_tune(data, train, args.train_from, args, seed, frozen)
+    held_probs = dict(zip(held, tuned(held)))
+    base_ok, tuned_ok = torch.zeros(len(held), dtype=torch.bool), torch.zeros(len(held), dtype=torch.bool)
+    for role in ROLES:
+        mine = [i for i in train if data.roles[i] == role]
+        js = [j for j, i in enumerate(held) if data.roles[i] == role]
+        hi = [held[j] for j in js]
+        x, tx = torch.stack([data.v2[i] for i in mine]), torch.stack([data.v2[i] for i in hi])
+        y, ty = [data.items[i].label for i in mine], data.labels[hi]
+        probe, head = fit_stacked(x, frozen[mine], y, L2, L2_READER, STACK_FOLDS)  # the shipped judge
+        base_ok[js] = stacked_probs(probe, head, tx, frozen[hi]).argmax(-1) == ty
+        final = fit(with_probs(x, oof[mine]), y, L2)
+        tuned_ok[js] = final.probs(with_probs(tx, torch.stack([held_probs[i] for i in hi]))).argmax(-1) == ty
+    return base_ok, tuned_ok
 
 
 def main() -> None:
@@ -185,6 +219,8 @@ def main() -> None:
     ap.add_argument("--train-from", type=int, default=10, help="first trained layer")
     ap.add_argument("--lora", action="store_true", help="LoRA r=8 on every linear instead of full fine-tuning")
     ap.add_argument("--with-v2", action="store_true", help="the head also gets the MiniLM features")
+    ap.add_argument("--stacked", action="store_true",
+                    help="score the judge's stack (MiniLM features + reader probs) with the fine-tuned reader")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--head-lr", type=float, default=1e-3)
@@ -195,29 +231,35 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     start_time = time.perf_counter()
+    args.with_v2 = args.with_v2 or args.stacked
     data = Data(args)
     frozen = data.cache_bottom(args.train_from)
     print(f"{len(data.items)} train items; bottom {args.train_from} layers cached in "
           f"{time.perf_counter() - start_time:.0f} s", flush=True)
     order = list(range(len(data.items)))
     random.Random(args.seed).shuffle(order)  # the folds of bench/judge_cv.py
-    probe_sum, tuned_ok, held_all = 0.0, [], []
+    base_ok, tuned_ok, held_all = [], [], []
     for fold in range(min(args.folds, args.folds_run)):
         t = time.perf_counter()
         held = sorted(order[fold::args.folds])
         train = [i for i in order if i not in set(held)]
-        probe_acc, ok = fold_accuracies(data, frozen, train, held, args.train_from, args, args.seed * 100 + fold)
-        probe_sum += probe_acc * len(held)
+        if args.stacked:
+            base, ok = stacked_fold(data, frozen, train, held, args, args.seed * 100 + fold)
+        else:
+            probe, tuned = fine_tune(data, train, args.train_from, args, args.seed * 100 + fold, frozen)
+            base, ok = probe(held).argmax(-1) == data.labels[held], tuned(held).argmax(-1) == data.labels[held]
+        base_ok.append(base)
         tuned_ok.append(ok)
         held_all += held
-        print(f"fold {fold}: frozen probe {probe_acc:.3f}, fine-tuned {ok.float().mean():.3f} "
+        print(f"fold {fold}: {BASELINE[args.stacked]} {base.float().mean():.3f}, fine-tuned {ok.float().mean():.3f} "
               f"({time.perf_counter() - t:.0f} s)", flush=True)
     ok = torch.cat(tuned_ok)
     batches = "  ".join(
         f"{b} batch {float(ok[[j for j, i in enumerate(held_all) if rx.match(data.items[i].id)]].float().mean()):.3f}"
         for b, rx in BATCHES.items())
     print(f"{'LoRA' if args.lora else 'full'} fine-tuning of layers {args.train_from}-{args.layers - 1}"
-          f"{' with the MiniLM features' if args.with_v2 else ''}: frozen probe {probe_sum / len(held_all):.3f}, "
+          f"{' with the MiniLM features' if args.with_v2 and not args.stacked else ''}{', stacked' if args.stacked else ''}: "
+          f"{BASELINE[args.stacked]} {float(torch.cat(base_ok).float().mean()):.3f}, "
           f"fine-tuned {float(ok.float().mean()):.3f} on {len(held_all)} held-out train items ({batches})")
 
 
