@@ -21,7 +21,7 @@ from clawflow.judge.evaluate import evaluate, format_report
 from clawflow.judge.features import n_features
 
 LABELLED = REPO_ROOT / "configs" / "judge" / "labelled.jsonl"
-HELD_OUT_FLOOR = 0.83  # measured 0.858 (277/323) on the test split; the target is 0.90 (not met)
+HELD_OUT_FLOOR = 0.845  # measured 0.864 (279/323) on the test split; the target is 0.90 (not met)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_held_out_accuracy(judge):
     assert report.n == len(test) >= 323 and report.unjudged == 0
     assert report.accuracy >= HELD_OUT_FLOOR, format_report(report, show_mistakes=True)
     flips = report.confusion[(1, -1)] + report.confusion[(-1, 1)]
-    assert flips <= 0.08 * report.n  # sign flips are the costly errors (measured: 22 in 323)
+    assert flips <= 0.08 * report.n  # sign flips are the costly errors (measured: 20 in 323)
 
 
 @pytest.mark.parametrize("text, score", [
