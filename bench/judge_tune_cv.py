@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import create_causal_mask
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,7 +37,7 @@ from clawflow.judge.embedded import L2, L2_READER, ROLES, STACK_FOLDS, _paths, _
 from clawflow.judge.features import CLASSES  # noqa: E402
 from clawflow.judge.head import fit  # noqa: E402
 from clawflow.judge.stack import fit_stacked, stacked_probs, with_probs  # noqa: E402
-from clawflow.judge.reader import clip_tokens  # noqa: E402
+from clawflow.judge.reader import Reader  # noqa: E402
 from clawflow.models import model_dir  # noqa: E402
 
 BASELINE = {False: "frozen probe", True: "shipped stack"}
@@ -64,16 +63,11 @@ class Data:
         self.items = load_labelled(labelled_path, "train")
         self.roles = [item_role(i.input) for i in self.items]
         self.labels = torch.tensor([CLASSES.index(i.label) for i in self.items])
-        path = model_dir(cfg.embedded.reader, default_home())
-        tok = AutoTokenizer.from_pretrained(str(path))
-        end = tok("<|im_end|>")["input_ids"]
-        self.seqs, self.spans = [], []
-        for item, role in zip(self.items, self.roles):
-            prefix = tok(f"<|im_start|>{role}\n")["input_ids"]
-            self.seqs.append(prefix + clip_tokens(tok(state_text(item.input))["input_ids"], role) + end)
-            self.spans.append((len(prefix), len(self.seqs[-1])))
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).model.eval()
-        self.model.layers = self.model.layers[: args.layers]
+        # the shipped reader's own input and model (its first `layers` layers, no final norm)
+        reader = Reader(model_dir(cfg.embedded.reader, default_home()), layers=args.layers, threads=None)
+        self.seqs, self.spans = map(list, zip(*(reader.tokens(r, state_text(i.input))
+                                                for r, i in zip(self.roles, self.items))))
+        self.model = reader.model
         self.v2 = None
         if args.with_v2:
             encoder = shared_encoder()

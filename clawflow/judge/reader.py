@@ -62,6 +62,13 @@ class Reader:
     def dim(self) -> int:
         return int(self.model.config.hidden_size)
 
+    def tokens(self, role: str, text: str) -> tuple[list[int], tuple[int, int]]:
+        """(input ids, the span of the next state's tokens in them): what the reader reads."""
+        prefix = self.tokenizer(f"<|im_start|>{role}\n")["input_ids"]
+        body = clip_tokens(self.tokenizer(text)["input_ids"], role, self.max_tokens, self.tool_tokens)
+        ids = prefix + body + self._end
+        return ids, (len(prefix), len(ids))
+
     def features(self, role: str, text: str):
         """(hidden,) float32: mean of the layer-`layers` states over the next state's tokens."""
         return self.features_batch([role], [text])[0]
@@ -70,12 +77,7 @@ class Reader:
         """(n, hidden): `features` of several next states in one right-padded forward, so the weights
         are read once for all of them (a causal model never attends to the padding after a row)."""
         torch = self._torch
-        rows, spans = [], []
-        for role, text in zip(roles, texts):
-            prefix = self.tokenizer(f"<|im_start|>{role}\n")["input_ids"]
-            body = clip_tokens(self.tokenizer(text)["input_ids"], role, self.max_tokens, self.tool_tokens)
-            rows.append(prefix + body + self._end)
-            spans.append((len(prefix), len(rows[-1])))
+        rows, spans = zip(*(self.tokens(role, text) for role, text in zip(roles, texts)))
         out = torch.zeros(len(rows), self.dim)
         before = torch.get_num_threads()
         if self.threads:
