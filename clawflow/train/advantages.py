@@ -55,6 +55,11 @@ def group_normalized_rewards(rewards: Tensor, group_ids: Tensor, eps: float = 1e
     return adv, keep
 
 
+def negative_scaled(adv: Tensor, negative_weight: float) -> Tensor:
+    """A < 0 times `negative_weight`, A >= 0 unchanged.  [N] -> [N]."""
+    return torch.where(adv < 0, adv * negative_weight, adv) if negative_weight != 1.0 else adv
+
+
 def opd_advantages(teacher_logprobs: Tensor, old_logprobs: Tensor, has_hint: Tensor, mask: Tensor,
                    clip: float | None = None) -> Tensor:
     """A[b, t] = teacher - old on response tokens of hinted sequences, else 0.

@@ -92,3 +92,12 @@ def all_max(values: list[float], device: torch.device) -> list[float]:
     if dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's `obj` on every rank (pickled; for small things such as token id lists)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -64,6 +64,12 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, ca
     return w.clamp(max=cap) if cap is not None else w
 
 
+def sft_per_token(logprobs: Tensor, weight: float = 1.0) -> Tensor:
+    """Per-token loss of supervised distillation: weight * NLL of the target token.  [B, T] -> [B, T]
+    (zero it off-mask with the caller's mask, as the aggregations do)."""
+    return -weight * logprobs
+
+
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi || ref) per sampled token, >= 0, zero off-mask.  [B, T]."""
     d = torch.where(mask.to(torch.bool), ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))

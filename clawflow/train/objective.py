@@ -16,14 +16,16 @@ from torch import Tensor
 
 from clawflow.config import TrainConfig
 from clawflow.train.advantages import (binary_rl_advantages, combined_advantages, group_normalized_rewards,
-                                       opd_advantages, staleness_weights)
-from clawflow.train.loss import AGGREGATIONS, Aggregation, k3_kl, ppo_clip_per_token, tis_weights
+                                       negative_scaled, opd_advantages, staleness_weights)
+from clawflow.train.loss import AGGREGATIONS, Aggregation, k3_kl, ppo_clip_per_token, sft_per_token, tis_weights
 
-# objective name -> which of (rl_weight, opd_weight) it uses
-OBJECTIVES: dict[str, tuple[bool, bool]] = {"rl": (True, False), "opd": (False, True), "combined": (True, True)}
+# objective name -> which of (RL, OPD, distillation of rewritten replies) it uses
+OBJECTIVES: dict[str, tuple[bool, bool, bool]] = {"rl": (True, False, False), "opd": (False, True, False),
+                                                  "combined": (True, True, False), "distill": (True, False, True)}
 
 # summed over micro-batches and ranks, then divided: see `Objective.metrics`
-STAT_KEYS = ("pg", "kl", "clipped", "ratio_sum", "n_tok", "rl_adv_sum", "rl_tok", "opd_adv_sum", "opd_tok")
+STAT_KEYS = ("pg", "kl", "clipped", "ratio_sum", "n_tok", "rl_adv_sum", "rl_tok", "opd_adv_sum", "opd_tok",
+             "sft_nll_sum", "sft_tok")
 
 
 @dataclass(frozen=True)
@@ -37,27 +39,41 @@ class Objective:
     kl_beta: float
     opd_clip: float | None
     aggregate: Aggregation
+    distill_weight: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "Objective":
-        use_rl, use_opd = OBJECTIVES[cfg.objective]
+        use_rl, use_opd, use_distill = OBJECTIVES[cfg.objective]
         return cls(rl_weight=cfg.rl_weight if use_rl else 0.0, opd_weight=cfg.opd_weight if use_opd else 0.0,
                    eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tis_cap=cfg.tis_cap,
-                   kl_beta=cfg.kl_beta, opd_clip=cfg.opd_clip, aggregate=AGGREGATIONS[cfg.aggregation])
+                   kl_beta=cfg.kl_beta, opd_clip=cfg.opd_clip, aggregate=AGGREGATIONS[cfg.aggregation],
+                   distill_weight=cfg.distill_weight if use_distill else 0.0)
 
     @property
     def needs_teacher(self) -> bool:
+        """OPD scores replies under the hinted prompt."""
         return self.opd_weight != 0.0
 
-    def active(self, rl_adv: Tensor, has_hint: Tensor, weight: Tensor) -> Tensor:
-        """[N] bool: samples with an RL or OPD term and a non-zero staleness weight."""
+    @property
+    def rewrites(self) -> bool:
+        """Distillation has the hinted policy rewrite a corrected turn's reply (train/rewrite.py)."""
+        return self.distill_weight != 0.0
+
+    @property
+    def uses_hints(self) -> bool:
+        return self.needs_teacher or self.rewrites
+
+    def active(self, rl_adv: Tensor, has_hint: Tensor, weight: Tensor, rewrite: Tensor | None = None) -> Tensor:
+        """[N] bool: samples with an RL, OPD or distillation term and a non-zero staleness weight."""
         rl = (rl_adv != 0) & (self.rl_weight != 0.0)
         opd = has_hint.to(torch.bool) & (self.opd_weight != 0.0)
-        return (rl | opd) & (weight > 0)
+        sft = rewrite.to(torch.bool) & self.rewrites if rewrite is not None else torch.zeros_like(rl)
+        return (rl | opd | sft) & (weight > 0)
 
     def token_mask(self, b: dict[str, Tensor]) -> Tensor:
         """[B, R] the tokens this objective trains in a collated batch."""
-        return b["mask"] * self.active(b["rl_adv"], b["has_hint"], b["weight"]).to(b["mask"].dtype)[:, None]
+        act = self.active(b["rl_adv"], b["has_hint"], b["weight"], b.get("rewrite"))
+        return b["mask"] * act.to(b["mask"].dtype)[:, None]
 
     def denominator(self, b: dict[str, Tensor]) -> float:
         mask = self.token_mask(b)
@@ -66,7 +82,9 @@ class Objective:
     def __call__(self, logprobs: Tensor, b: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
         """(numerator of the loss, summed stats) for one micro-batch; divide by the global denominator.
 
-        b: mask, old, rollout, teacher, ref [B, R]; rl_adv, has_hint, weight [B].
+        b: mask, old, rollout, teacher, ref [B, R]; rl_adv, has_hint, weight [B]; rewrite [B] (optional):
+        rows holding a rewritten reply, trained by plain NLL (they were never sampled by pi_old, so
+        neither the PPO ratio nor TIS applies to them).
         """
         mask = self.token_mask(b)
         a_rl = binary_rl_advantages(b["rl_adv"], mask)
@@ -76,6 +94,10 @@ class Objective:
                                                 self.dual_clip)
         if self.tis_cap is not None:  # None: no TIS (pi_old is taken as the sampler)
             pg = pg * tis_weights(b["old"], b["rollout"], mask, self.tis_cap)
+        sft = mask.to(torch.bool) & b["rewrite"].to(torch.bool)[:, None] if "rewrite" in b \
+            else torch.zeros_like(mask, dtype=torch.bool)
+        if self.rewrites:
+            pg = torch.where(sft, sft_per_token(logprobs, self.distill_weight), pg)
         pg = pg * b["weight"][:, None]
         kl = k3_kl(logprobs, b["ref"], mask)
         pg_num, _ = self.aggregate(pg, mask)
@@ -83,12 +105,13 @@ class Objective:
         num = pg_num + self.kl_beta * kl_num if self.kl_beta else pg_num
         with torch.no_grad():
             m = mask.to(torch.bool)
-            rl_tok = m & (b["rl_adv"] != 0)[:, None] & (self.rl_weight != 0.0)
+            rl_tok = m & ~sft & (b["rl_adv"] != 0)[:, None] & (self.rl_weight != 0.0)
             opd_tok = m & b["has_hint"].to(torch.bool)[:, None] & (self.opd_weight != 0.0)
             stats = {"pg": float(pg_num), "kl": float(kl_num), "clipped": float(clipped.sum()),
                      "ratio_sum": float(ratio[m].sum()), "n_tok": float(m.sum()),
                      "rl_adv_sum": float(a_rl[rl_tok].sum()), "rl_tok": float(rl_tok.sum()),
-                     "opd_adv_sum": float(a_opd[opd_tok].sum()), "opd_tok": float(opd_tok.sum())}
+                     "opd_adv_sum": float(a_opd[opd_tok].sum()), "opd_tok": float(opd_tok.sum()),
+                     "sft_nll_sum": float(-logprobs.detach()[sft].sum()), "sft_tok": float(sft.sum())}
             if m.any():
                 stats["ratio_min"], stats["ratio_max"] = float(ratio[m].min()), float(ratio[m].max())
         return num, stats
@@ -101,7 +124,8 @@ class Objective:
                 "clip_fraction": stats["clipped"] / n, "ratio_mean": stats["ratio_sum"] / n,
                 "adv_rl_mean": stats["rl_adv_sum"] / max(stats["rl_tok"], 1.0),
                 "adv_opd_mean": stats["opd_adv_sum"] / max(stats["opd_tok"], 1.0),
-                "rl_tokens": stats["rl_tok"], "opd_tokens": stats["opd_tok"]}
+                "rl_tokens": stats["rl_tok"], "opd_tokens": stats["opd_tok"],
+                "sft_nll": stats["sft_nll_sum"] / max(stats["sft_tok"], 1.0), "sft_tokens": stats["sft_tok"]}
 
 
 def sample_advantages(cfg: TrainConfig, rewards: Tensor, group_ids: Tensor, versions: Tensor,
@@ -112,5 +136,6 @@ def sample_advantages(cfg: TrainConfig, rewards: Tensor, group_ids: Tensor, vers
         adv = adv * keep
     else:
         adv = rewards.to(torch.float32)
+    adv = negative_scaled(adv, cfg.negative_weight)
     weight = staleness_weights(versions, parent_version, cfg.max_staleness, cfg.staleness, cfg.staleness_decay)
     return adv, weight

@@ -41,7 +41,8 @@ class Item:
     rollout: list[float]
     rl_adv: float
     weight: float
-    teacher_prompt: list[int] | None  # hint-augmented prompt; None = no OPD term
+    teacher_prompt: list[int] | None  # hint-augmented prompt; None = no OPD term / no rewrite
+    rewrite: bool = False  # distill: `response` is replaced by the hinted policy's reply before training
 
 
 def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample], tokenizer,
@@ -54,15 +55,18 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     versions = torch.tensor([s.policy_version for s in samples], dtype=torch.long)
     rl_adv, weight = sample_advantages(cfg, rewards, group, versions, parent_version)
-    hinted = torch.tensor([bool(s.hint and s.messages) and objective.needs_teacher for s in samples])
-    active = objective.active(rl_adv, hinted, weight) & torch.tensor([bool(s.response_token_ids) for s in samples])
+    hinted = torch.tensor([bool(s.hint and s.messages) and objective.uses_hints for s in samples])
+    rewrite = hinted & objective.rewrites  # the rewrite replaces the recorded reply: no RL term on it
+    rl_adv = torch.where(rewrite, torch.zeros_like(rl_adv), rl_adv)
+    active = objective.active(rl_adv, hinted & objective.needs_teacher, weight, rewrite) \
+        & torch.tensor([bool(s.response_token_ids) for s in samples])
     items = []
     for i, s in enumerate(samples):
         if not active[i]:
             continue
         teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools) if hinted[i] else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
-                          float(rl_adv[i]), float(weight[i]), teacher))
+                          float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i])))
     counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
               "hint_without_messages": sum(1 for s in samples if s.hint and not s.messages),
               "stale_dropped": int((weight == 0).sum())}
@@ -76,7 +80,7 @@ def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int) -
     samples = load_samples(batch)
     objective = Objective.from_config(cfg)
     tokenizer = None
-    if objective.needs_teacher and any(s.hint for s in samples):  # the base's chat template
+    if objective.uses_hints and any(s.hint for s in samples):  # the base's chat template
         from transformers import AutoTokenizer
 
         from clawflow.train.lora import adapter_base
@@ -122,6 +126,7 @@ def collate_items(items: list[Item], pad_id: int) -> dict:
     b = collate([it.prompt for it in items], [it.response for it in items], pad_id, [it.rollout for it in items])
     b["rl_adv"] = torch.tensor([it.rl_adv for it in items])
     b["weight"] = torch.tensor([it.weight for it in items])
-    b["has_hint"] = torch.tensor([it.teacher_prompt is not None for it in items])
+    b["has_hint"] = torch.tensor([it.teacher_prompt is not None and not it.rewrite for it in items])
+    b["rewrite"] = torch.tensor([it.rewrite for it in items])
     b["items"] = items
     return b

@@ -45,6 +45,7 @@ from clawflow.train import optim
 from clawflow.train.flops import matmul_peak_flops, param_counts, peak_memory_mb, train_flops
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
+from clawflow.train.rewrite import eos_token_ids, generate_rewrites
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
@@ -80,10 +81,13 @@ class Recipe:
         start = ckpt.resume_dir(self.out) / "model" if resume else self.args.base
         model, self.base_dir = load_policy(start, torch.float32, cfg.lora)
         self.save_dtype = ckpt.model_dtype(self.base_dir)
+        self.pad_id = model.config.pad_token_id or 0
+        if resume:
+            self.cache = ckpt.load_cache(self.out, self.rank)
+        self.rewrite(model.to(self.device))
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-        self.pad_id = model.config.pad_token_id or 0
         self.counts_params = param_counts(model)
         self.model = D.shard_model(model.to(self.device), self.world, self.device, cfg.mixed_precision)
         state = torch.load(ckpt.resume_dir(self.out) / "optimizer.pt", weights_only=False) if resume \
@@ -93,11 +97,30 @@ class Recipe:
         if resume:
             self.scheduler.load_state_dict(resume["scheduler"])
             self.start_step, self.history = resume["step"], resume["history"]
-            self.cache = ckpt.load_cache(self.out, self.rank)
             self._log(f"clawflow.train: resuming at step {self.start_step + 1} from {ckpt.resume_dir(self.out)}")
         peak_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.mixed_precision else torch.float32
         self.peak = cfg.peak_flops or matmul_peak_flops(self.device, peak_dtype, seconds=0.5)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def rewrite(self, model) -> None:
+        """distill: the hinted policy writes each corrected turn's new reply (train/rewrite.py), with the
+        start-of-run weights, before FSDP shards them; a resumed run reuses the saved rewrites."""
+        todo = [it for it in self.items if it.rewrite]
+        if not todo:
+            return
+        done = self.cache.setdefault("rewrite", {})
+        missing = [it for it in todo if it.index not in done]
+        if missing:
+            t0 = time.monotonic()
+            replies = generate_rewrites(model, [it.teacher_prompt for it in missing], self.cfg.rewrite_max_tokens,
+                                        eos_token_ids(model), self.pad_id)
+            done.update(zip((it.index for it in missing), D.broadcast_from_rank0(replies)))
+            self._log(f"clawflow.train: rewrote {len(missing)} corrected replies with their hints in "
+                      f"{time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
+        for it in todo:
+            it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
+        self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
+        self.total_steps = len(self.plan) * self.cfg.epochs
 
     def _on_sigterm(self, *_) -> None:
         self.stop_requested = True

@@ -1,0 +1,87 @@
+"""Context distillation (`train.objective: distill`): a corrected turn's reply is rewritten by the
+policy with the hint in its prompt, and the student learns that reply from the plain prompt.
+Tiny random Llama with SmolLM2's tokenizer; the rewrite is checked token for token against an
+independent greedy generation."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from clawflow.config import TrainConfig
+from clawflow.feedback import SAMPLE_SCHEMA
+from clawflow.train.advantages import negative_scaled
+from clawflow.train.objective import Objective
+from clawflow.train.rewrite import cut_at_eos
+from clawflow.train.teacher import teacher_prompt_ids
+from tests.test_train_opd import CONVERSATIONS, encode, run
+
+MAX_TOKENS = 12
+
+
+def nll(model, prompt: list[int], reply: list[int]) -> float:
+    ids = torch.tensor([prompt + reply])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    return float(-lp.gather(-1, torch.tensor(reply)[:, None]).mean())
+
+
+def test_objective_trains_rewritten_rows_by_weighted_nll_without_ratio_or_tis():
+    obj = Objective.from_config(TrainConfig(objective="distill", distill_weight=0.5, tis_cap=2.0))
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.2, 0.4, 0.9]]))  # [B=2, R=3]
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    b = {"mask": mask, "old": lp - 1.0, "rollout": lp - 5.0, "teacher": torch.zeros(2, 3), "ref": lp,
+         "rl_adv": torch.tensor([0.0, 1.0]), "has_hint": torch.tensor([False, False]),
+         "weight": torch.tensor([1.0, 1.0]), "rewrite": torch.tensor([True, False])}
+    num, stats = obj(lp, b)
+    # row 0: seq mean of 0.5 * NLL over its 2 tokens, whatever old/rollout say
+    sft = 0.5 * -(torch.log(torch.tensor(0.5)) + torch.log(torch.tensor(0.25))) / 2
+    assert stats["sft_tok"] == 2 and stats["rl_tok"] == 3
+    row1, _ = Objective.from_config(TrainConfig(objective="rl", tis_cap=2.0))(lp[1:], {k: v[1:] for k, v in b.items()})
+    assert float(num) == pytest.approx(float(sft) + float(row1), rel=1e-5)
+
+
+def test_negative_weight_scales_only_negative_advantages():
+    adv = torch.tensor([1.0, -1.0, 0.0, -0.5])
+    assert negative_scaled(adv, 0.25).tolist() == [1.0, -0.25, 0.0, -0.125]
+    assert negative_scaled(adv, 1.0) is adv
+
+
+def test_cut_at_eos_keeps_the_eos_token():
+    assert cut_at_eos([5, 6, 2, 0, 0], {2}) == [5, 6, 2]
+    assert cut_at_eos([5, 6], {2}) == [5, 6]
+
+
+@pytest.mark.slow  # one torchrun run: ~20 s
+def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_model_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rows, expected = [], []
+    for i, (messages, hint) in enumerate(CONVERSATIONS):
+        prompt = encode(tok, messages)
+        recorded = [tok.convert_tokens_to_ids("Hello")] * 4  # what the user corrected; never trained on
+        rows.append({"turn_id": f"t{i}", "prompt_token_ids": prompt, "response_token_ids": recorded,
+                     "response_logprobs": [-1.0] * 4, "reward": -1.0, "hint": hint, "messages": json.dumps(messages),
+                     "tools": None, "group_id": None, "policy_version": 0})
+        hinted = torch.tensor([teacher_prompt_ids(tok, messages, hint)])
+        with torch.no_grad():
+            gen = base.generate(hinted, attention_mask=torch.ones_like(hinted), do_sample=False,
+                                max_new_tokens=MAX_TOKENS, pad_token_id=0)
+        expected.append((prompt, cut_at_eos(gen[0, hinted.shape[1]:].tolist(), {tok.eos_token_id})))
+    batch = tmp_path / "samples.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), batch)
+
+    out, metrics = run(tmp_path, tiny_model_dir, batch, "distill", lr=5e-3, epochs=10, objective="distill",
+                       rewrite_max_tokens=MAX_TOKENS, negative_weight=0.0)
+    steps = metrics["per_step"]
+    assert all(s["rl_tokens"] == 0 for s in steps)  # the recorded replies carry no term
+    assert steps[0]["sft_tokens"] == sum(len(r) for _, r in expected)  # exactly the greedy hinted replies
+    assert steps[-1]["sft_nll"] < steps[0]["sft_nll"]
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    before = sum(nll(base, p, r) for p, r in expected) / len(expected)
+    after = sum(nll(trained, p, r) for p, r in expected) / len(expected)
+    print(f"NLL of the hinted replies from the plain prompt: {before:.3f} -> {after:.3f}")
+    assert after < 0.7 * before
