@@ -180,10 +180,17 @@ class TrainConfig(_Strict):
     micro_batch: int = Field(4, ge=1)  # sequences per forward pass
     step_tokens: int = Field(8192, ge=1)  # response tokens per optimizer step (gradient accumulation)
     max_turns: int = 256  # largest batch one training run takes, oldest first
-    # objective: binary RL, OPD from hindsight hints, or both (a turn without a hint has no OPD term)
-    objective: Literal["rl", "opd", "combined"] = "combined"
+    # objective: binary RL, OPD from hindsight hints, or both (a turn without a hint has no OPD term);
+    # distill: RL on the recorded replies, and each corrected turn's reply rewritten by the policy
+    # with the hint in its prompt, learned from the plain prompt (context distillation: train/rewrite.py)
+    objective: Literal["rl", "opd", "combined", "distill"] = "combined"
     rl_weight: float = 1.0
     opd_weight: float = 1.0
+    distill_weight: float = Field(1.0, gt=0.0)  # per-token NLL weight of a rewritten reply
+    # scales A < 0 (replies judged bad); on one reply per prompt a −1 only says "not this", and
+    # pushing sampled replies down is what drove SmolLM2 into non-answers (issue #15)
+    negative_weight: float = Field(1.0, ge=0.0)
+    rewrite_max_tokens: int = Field(128, ge=1)  # longest rewritten reply
     teacher: Literal["policy", "base"] = "policy"  # OPD teacher: the served policy (bench/opd_teacher.py), or the base
     opd_clip: float | None = Field(None, gt=0)  # bound |teacher - old| per token
     group_norm: bool = True  # GRPO (r - mean) / std within a group of samples of one prompt
