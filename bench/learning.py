@@ -1,30 +1,31 @@
-"""Proof of learning: does talking to a persona change the agent? One persona, K rounds of
-collect → train → promote → reload on the embedded stack, measured after every version.
+"""Does talking to the agent make it better for that user, without making it worse at answering?
 
-Parts, all real: the gateway (`clawflow serve`, TorchEngine) as its own process; the persona
-environment driving episodes through it (`collect_round`); the Prefect flow
-`train-on-new-feedback` run in-process against a temporary Prefect API (Prefect's
-`prefect_test_harness`, or the API in PREFECT_API_URL with `--prefect-api env`), which judges
-(embedded judge by default), trains with torchrun, registers in MLflow, gates, promotes and
-reloads the gateway. Each round's episodes ask `n` replies to their first prompt (a GRPO group);
-each member's preference check is its env_reward, joined to its turn by the catalog.
+For each persona (a simulated user with a checkable preference: length, format, tone), K rounds of
+collect → train → gate → promote → reload on the embedded stack, measured after every version:
 
-After every version (v0 = the base model), on held-out data (configs/envs/learning_bench.yaml):
-preference hit-rate and mean judge score of greedy replies to fresh prompts, and the mean NLL per
-token of reference answers (general quality; lower is better). One row per version is printed and
-logged to MLflow (experiment `learning-bench`, metrics with step = version, so the UI plots curves).
+  * hit-rate: the share of held-out prompts whose greedy reply meets every preference of the
+    persona (configs/envs/learning_bench.yaml; never used to collect training turns);
+  * helpfulness: the share of held-out general questions whose greedy reply states its key fact,
+    and the degeneracy signals (same reply to different questions, loops, off-topic replies), by
+    `clawflow.helpfulness` (configs/eval/helpfulness.yaml), the same measure the eval gate uses.
 
-    .venv/bin/python bench/learning.py --mode rl [--persona terse --rounds 4 --max-steps 16]
+Everything is the shipped product unless a flag says otherwise: `configs/default.yaml` (its
+`train:` recipe, lr and gate), one reply per prompt (live users do not send groups), the embedded
+judge, and no outcome reward (a live user gives words, not a checkable score: `judge.env_reward:
+ignore`). Parts, all real: the gateway (`clawflow serve`) as its own process, the persona
+environment driving episodes through it like any client, and the Prefect flow
+`train-on-new-feedback` in-process against a temporary Prefect API (which judges, trains with
+torchrun, registers in MLflow, gates, promotes and reloads the gateway).
 
-The baseline is version 0 (the base model), measured in the same run. Time and machine load
-(1-minute load average before/after) are printed with the table.
+One row per version (v0 = the base model) is printed and logged to MLflow (experiment
+`learning-bench`, one run per persona, metrics with step = version), then a summary per persona:
 
-Bench settings (overrides of the product config, not new defaults): lr 3e-5 (the product's 1e-6
-is for slow drift on live traffic; 5e-5 with 10 steps in one round moved the probe KL to 0.30 and
-the gate rejected it), groups of 8 (SmolLM2-135M meets a 30-word limit in ~1 of 8 samples at
-temperature 1, and a group with no hit carries no GRPO signal), 48 reply tokens (a cut-off reply
-is ~35 words, so it fails the limit), 384 response tokens per step (~3 steps per round), torch
-threads 1 (on a shared 2-core box, 2 threads spin against other processes: 10x slower decoding).
+    .venv/bin/python bench/learning.py                       # dev personas: terse, numbered_steps, curious_coach
+    .venv/bin/python bench/learning.py --personas-file configs/envs/personas_final.yaml   # the final set
+    .venv/bin/python bench/learning.py --personas terse --rounds 8 --set train.lr=3e-5     # a variant
+
+Torch threads 1 per process (gateway, trainer, evaluation): on a shared 2-core box, 2 threads spin
+against the other processes.
 """
 
 from __future__ import annotations
@@ -50,27 +51,27 @@ sys.path.insert(0, str(REPO))  # flows/ and tasks/ are importable when run as a 
 
 from clawflow.config import REPO_ROOT, Config, load_config  # noqa: E402
 
+DEV_PERSONAS = "terse,numbered_steps,curious_coach"  # length, format, tone
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", choices=["rl", "opd", "combined"], default="rl")
-    ap.add_argument("--persona", default="terse")
-    ap.add_argument("--rounds", type=int, default=4, help="collect → train rounds (K)")
-    ap.add_argument("--max-steps", type=int, default=16, help="stop once this many optimizer steps were taken")
-    ap.add_argument("--episodes", type=int, default=4, help="episodes (first prompts) per round")
-    ap.add_argument("--group-n", type=int, default=8, help="replies sampled per first prompt (GRPO group)")
-    ap.add_argument("--max-tokens", type=int, default=48, help="reply budget while collecting")
-    ap.add_argument("--eval-max-tokens", type=int, default=48)
-    ap.add_argument("--eval-prompts", type=int, default=10, help="how many held-out prompts to measure on")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=3e-5)
-    ap.add_argument("--step-tokens", type=int, default=384, help="response tokens per optimizer step")
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads of the gateway, trainer and evaluation (1: no spinning on a busy box)")
+    ap.add_argument("--personas", default=None, help=f"comma-separated names (default: {DEV_PERSONAS}, or every "
+                                                      "persona of --personas-file)")
+    ap.add_argument("--personas-file", default=None, help="default configs/envs/personas.yaml")
+    ap.add_argument("--rounds", type=int, default=8, help="collect → train rounds per persona")
+    ap.add_argument("--target", type=float, default=0.9, help="stop a persona once its hit-rate reaches this")
+    ap.add_argument("--episodes", type=int, default=12, help="conversations per round (2 turns each)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="reply budget while collecting and measuring")
+    ap.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts for the hit-rate")
+    ap.add_argument("--questions", type=int, default=None, help="held-out general questions (default: all)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature while collecting")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--judge", choices=["embedded", "rules"], default="embedded")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value (YAML value), e.g. train.lr=3e-5; repeatable")
     ap.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"), help="base config")
-    ap.add_argument("--home", default=None, help="bench data dir (default: a new temp dir)")
+    ap.add_argument("--home", default=None, help="bench data dir (default: a new temp dir per persona)")
     ap.add_argument("--model-cache", default=os.environ.get("CLAWFLOW_HOME", str(REPO_ROOT / ".clawflow")),
                     help="a CLAWFLOW_HOME whose models/ holds (or will hold) the materialized base model")
     ap.add_argument("--prefect-api", choices=["harness", "env"], default="harness")
@@ -84,21 +85,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(a: argparse.Namespace, home: Path) -> Config:
-    """The base config with the bench's overrides, written under `home` and loaded."""
+def overrides(pairs: list[str]) -> dict:
+    """`--set train.lr=3e-5` pairs as a nested dict (values parsed as YAML); ValueError names a bad one."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key or key.startswith(".") or key.endswith("."):
+            raise ValueError(f"--set {pair!r}: expected SECTION.KEY=VALUE")
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        base[k] = _merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
+    return base
+
+
+def write_config(a: argparse.Namespace, home: Path, persona: str) -> Config:
+    """The shipped config plus what the bench must set (its home, a free port, one persona, no
+    outcome reward) and the `--set` overrides, written under `home` and loaded."""
     raw = yaml.safe_load(Path(a.config).read_text())
     raw["home"] = str(home)
     raw.setdefault("serving", {}).update(port=_free_port(), threads=a.threads)
-    raw.setdefault("train", {}).update(lr=a.lr, objective=a.mode, step_tokens=a.step_tokens, epochs=a.epochs,
-                                       threads=a.threads)
-    raw.setdefault("judge", {}).update(backend=a.judge)
+    raw.setdefault("train", {}).update(threads=a.threads)
+    raw.setdefault("judge", {}).update(backend=a.judge, env_reward="ignore")
     if a.judge == "embedded":  # its head, fitted once for this run when the shipped one is stale
         head = judge_head(Path(a.model_cache))
         raw["judge"]["embedded"] = {**(raw["judge"].get("embedded") or {}), "head": str(head)}
-    raw.setdefault("registry", {})
-    raw["envs"] = {**(raw.get("envs") or {}), "environments": ["persona"], "personas": [a.persona],
-                   "max_turns": 2, "group_n": a.group_n, "max_tokens": a.max_tokens, "temperature": a.temperature,
-                   "concurrency": a.episodes, "seed": a.seed}
+    raw["envs"] = {**(raw.get("envs") or {}), "environments": ["persona"], "personas": [persona],
+                   "max_turns": 2, "group_n": 1, "max_tokens": a.max_tokens, "temperature": a.temperature,
+                   "concurrency": min(a.episodes, 12), "seed": a.seed}
+    if a.personas_file:
+        raw["envs"]["personas_file"] = str(Path(a.personas_file).resolve())
+    _merge(raw, overrides(a.set))
     path = home / "bench-config.yaml"
     path.write_text("# written by bench/learning.py\n" + yaml.safe_dump(raw, sort_keys=False))
     return load_config(path)
@@ -162,34 +186,38 @@ def _admin(cfg: Config) -> dict:
     return {"Authorization": f"Bearer {cfg.serving.admin_key}"}
 
 
-def measure(cfg: Config, persona, wording, held, judge, model_dir: str, eval_max_tokens: int) -> dict:
+def measure(cfg: Config, persona, prompts: list[str], questions, max_tokens: int) -> dict:
+    """Hit-rate on the persona's held-out prompts and helpfulness on the held-out questions, from
+    the served policy's greedy replies (side turns: never trained on)."""
+    from clawflow import helpfulness as H
     from clawflow.envs import evaluation as E
 
-    replies = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name, held.eval_prompts,
-                               eval_max_tokens)
-    return {"hit_rate": E.hit_rate(persona, replies),
-            "judge_score": E.judge_score(judge, persona, wording, held.eval_prompts, replies),
-            "ref_nll": E.reference_nll(model_dir, held.references, cfg.serving.threads),
-            "mean_words": sum(len(r.split()) for r in replies) / len(replies), "example": replies[0][:80]}
+    ask = [*prompts, *(q.prompt for q in questions)]
+    replies = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name, ask, max_tokens)
+    mine, answers = replies[: len(prompts)], replies[len(prompts):]
+    h = H.score(questions, answers, H.relevance(questions, answers))
+    return {"hit_rate": E.hit_rate(persona, mine), "facts": h.facts_rate, "duplicates": h.duplicate_share,
+            "loops": h.repetitive_share, "offtopic": h.offtopic_share, "empty": h.empty_share,
+            "mean_words": sum(len(r.split()) for r in mine) / len(mine), "example": mine[0][:70],
+            "answer": answers[0][:70]}
 
 
-def run(cfg: Config, rounds: int, max_steps: int, episodes: int, eval_max_tokens: int, seed: int = 0,
-        say=print, eval_prompts: int | None = None) -> tuple[str, list[dict]]:
-    """The round loop on a written config (gateway started here; a Prefect API must be reachable).
-    Returns the MLflow run id of the curve and one row per measured version."""
+def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float, eval_prompts: int,
+        questions: int | None, seed: int = 0, say=print) -> tuple[str, list[dict]]:
+    """The round loop for one persona on a written config (gateway started here; a Prefect API must
+    be reachable). Returns the MLflow run id of the curve and one row per measured version."""
     from clawflow import registry
     from clawflow.envs import build_envs
     from clawflow.envs.collect import collect_round
     from clawflow.envs.evaluation import load_held_out
     from clawflow.envs.personas import load_personas
-    from clawflow.judge import make_judge
+    from clawflow.helpfulness import load_questions
     from clawflow.models import base_model_dir
     from flows.train_on_new_feedback import train_on_new_feedback
 
-    [persona], wording = load_personas(cfg.envs.personas_file, cfg.envs.personas)
-    held = load_held_out(training_prompts=persona.prompts)
-    held.eval_prompts = held.eval_prompts[:eval_prompts]
-    judge = make_judge(cfg)
+    [persona], _ = load_personas(cfg.envs.personas_file, cfg.envs.personas)
+    held = load_held_out(training_prompts=persona.prompts, persona=persona.name)
+    prompts, qs = held.eval_prompts[:eval_prompts], load_questions()[:questions]
     envs = build_envs(cfg)
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -200,19 +228,22 @@ def run(cfg: Config, rounds: int, max_steps: int, episodes: int, eval_max_tokens
         for k in range(rounds + 1):
             if not rows or rows[-1]["version"] != version:  # a version the gate rejected is not served
                 t_eval = time.monotonic()
-                m = measure(cfg, persona, wording, held, judge, path, eval_max_tokens)
+                m = measure(cfg, persona, prompts, qs, max_tokens)
                 m["eval_s"] = round(time.monotonic() - t_eval, 1)
                 row = {"version": version, "round": k, "steps": steps, "wall_s": round(time.monotonic() - t0, 1), **m}
                 rows.append(row)
                 _log_row(cfg, run_id, row)
                 say(_fmt(row))
-            if k == rounds or steps >= max_steps:
+                if m["hit_rate"] >= target:
+                    break
+            if k == rounds:
                 break
             t_round = time.monotonic()
             results = collect_round(cfg, envs, episodes, rng)
             t_collect = time.monotonic() - t_round
             if failed := [r.error for r in results if r.error]:
                 raise RuntimeError(f"{len(failed)} episodes failed: {failed[0]}")
+            hits = [r.outcome for r in results if r.outcome is not None]  # the episodes' own hit-rates
             httpx.post(f"{cfg.gateway_url}/admin/seal", headers=_admin(cfg), timeout=120).raise_for_status()
             try:
                 out = train_on_new_feedback(str(cfg.source_file), reload=True)
@@ -225,8 +256,9 @@ def run(cfg: Config, rounds: int, max_steps: int, episodes: int, eval_max_tokens
             done = json.loads((cfg.home / "checkpoints" / out["mlflow_run"] / "train_metrics.json").read_text())
             steps += int(done["steps"])
             say(f"  round {k + 1}: v{out['version']} from {out['samples']} samples, {done['steps']} steps, "
-                f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate']}, promoted={out['promoted']}; "
-                f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s")
+                f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate'][:160]}, promoted={out['promoted']}; "
+                f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s"
+                + (f", collect hit-rate {sum(hits) / len(hits):.2f}" if hits else ""))
             if out["promoted"] and out["reloaded"]:
                 version, path = registry.resolve(cfg, out["version"])
     registry.end_run(cfg, run_id)
@@ -239,29 +271,44 @@ def _mlflow_run(cfg: Config, episodes: int, rounds: int) -> str:
     exp = cfg.registry.experiment
     bench_cfg = cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"experiment": "learning-bench"})})
     run = registry.start_run(bench_cfg, f"learning-{cfg.train.objective}-{cfg.envs.personas[0]}", {
-        "mode": cfg.train.objective, "persona": cfg.envs.personas[0], "lr": cfg.train.lr, "rounds": rounds,
+        "objective": cfg.train.objective, "persona": cfg.envs.personas[0], "lr": cfg.train.lr, "rounds": rounds,
         "episodes": episodes, "group_n": cfg.envs.group_n, "max_tokens": cfg.envs.max_tokens,
-        "step_tokens": cfg.train.step_tokens, "judge": cfg.judge.backend, "model": cfg.model.name,
-        "training_experiment": exp}, {"clawflow.bench": "learning"})
+        "epochs": cfg.train.epochs, "step_tokens": cfg.train.step_tokens, "judge": cfg.judge.backend,
+        "model": cfg.model.name, "training_experiment": exp}, {"clawflow.bench": "learning"})
     return run
+
+
+METRICS = ("hit_rate", "facts", "duplicates", "loops", "offtopic", "mean_words", "steps", "wall_s")
 
 
 def _log_row(cfg: Config, run_id: str, row: dict) -> None:
     from clawflow.registry import _client
 
     client = _client(cfg)
-    for key in ("hit_rate", "judge_score", "ref_nll", "mean_words", "steps", "wall_s"):
+    for key in METRICS:
         client.log_metric(run_id, key, float(row[key]), step=int(row["version"]))
 
 
-HEADER = (f"{'ver':>3} {'round':>5} {'steps':>5} {'hit_rate':>8} {'judge':>6} {'ref_nll':>7} {'words':>6} "
-          f"{'wall_s':>7} {'eval_s':>6}  example")
+HEADER = (f"{'ver':>3} {'round':>5} {'steps':>5} {'hit_rate':>8} {'facts':>6} {'dup':>5} {'loop':>5} {'offtop':>6} "
+          f"{'words':>6} {'wall_s':>7} {'eval_s':>6}  example | answer")
 
 
 def _fmt(r: dict) -> str:
-    return (f"{r['version']:>3} {r['round']:>5} {r['steps']:>5} {r['hit_rate']:>8.3f} {r['judge_score']:>+6.2f} "
-            f"{r['ref_nll']:>7.3f} {r['mean_words']:>6.1f} {r['wall_s']:>7.1f} {r['eval_s']:>6.1f}  "
-            f"{json.dumps(r['example'])}")
+    return (f"{r['version']:>3} {r['round']:>5} {r['steps']:>5} {r['hit_rate']:>8.3f} {r['facts']:>6.3f} "
+            f"{r['duplicates']:>5.2f} {r['loops']:>5.2f} {r['offtopic']:>6.2f} {r['mean_words']:>6.1f} "
+            f"{r['wall_s']:>7.1f} {r['eval_s']:>6.1f}  {json.dumps(r['example'])} | {json.dumps(r['answer'])}")
+
+
+def summary(persona: str, rows: list[dict], target: float, wall_s: float) -> str:
+    """One line: hit-rate from v0 to the last version, versions to the target, helpfulness floor."""
+    first, last = rows[0], rows[-1]
+    reached = next((r["version"] for r in rows if r["hit_rate"] >= target), None)
+    worst = min(rows[1:], key=lambda r: r["facts"], default=first)
+    return (f"{persona}: hit-rate v0 {first['hit_rate']:.2f} -> v{last['version']} {last['hit_rate']:.2f}; "
+            f"target {target} " + (f"at v{reached}" if reached is not None else "not reached")
+            + f"; facts v0 {first['facts']:.3f}, lowest promoted {worst['facts']:.3f} (v{worst['version']}), "
+            f"last {last['facts']:.3f}; max duplicates {max(r['duplicates'] for r in rows):.2f}; "
+            f"wall {wall_s / 60:.1f} min")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,32 +317,43 @@ def main(argv: list[str] | None = None) -> int:
     for var, value in (("MLFLOW_DISABLE_TELEMETRY", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
                        ("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")):
         os.environ.setdefault(var, value)
-    home = Path(a.home or tempfile.mkdtemp(prefix=f"clawflow-learning-{a.mode}-")).resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    os.environ["CLAWFLOW_HOME"] = str(home)  # the flow, torchrun and the gateway all read this config's home
-    cfg = write_config(a, home)
-    load0, t0 = os.getloadavg()[0], time.monotonic()
-    link_base_model(cfg, Path(a.model_cache).resolve())
-    print(f"learning bench: mode={a.mode} persona={a.persona} lr={a.lr} episodes={a.episodes}x{a.group_n} "
-          f"threads={a.threads} "
-          f"max_tokens={a.max_tokens} step_tokens={a.step_tokens} judge={a.judge} home={home}")
-    print(f"machine: {os.cpu_count()} cores, load average {load0:.2f} at start")
-    print(HEADER)
+    from clawflow.envs.personas import load_personas
+
+    try:
+        overrides(a.set)
+        everyone, _ = load_personas(a.personas_file)
+        names = a.personas.split(",") if a.personas else \
+            (DEV_PERSONAS.split(",") if not a.personas_file else [p.name for p in everyone])
+        load_personas(a.personas_file, names)
+    except ValueError as exc:
+        print(f"bench/learning.py: error: {exc}", file=sys.stderr)
+        return 2
+    load0 = os.getloadavg()[0]
+    print(f"learning bench: personas {','.join(names)}; config {a.config} {' '.join(a.set)}; "
+          f"{a.episodes} conversations/round, one reply per prompt, judge {a.judge}; "
+          f"{os.cpu_count()} cores, load average {load0:.2f}")
     if a.prefect_api == "harness":
         from prefect.testing.utilities import prefect_test_harness
 
         harness = prefect_test_harness(server_startup_timeout=180)
     else:
         harness = contextlib.nullcontext()
+    lines = []
     with harness:
-        _, rows = run(cfg, a.rounds, a.max_steps, a.episodes, a.eval_max_tokens, a.seed,
-                      say=lambda line: print(line, flush=True), eval_prompts=a.eval_prompts)
-    wall = time.monotonic() - t0
-    first, last = rows[0], rows[-1]
-    print(f"hit-rate v{first['version']} {first['hit_rate']:.3f} -> v{last['version']} {last['hit_rate']:.3f} "
-          f"in {last['steps']} steps; ref NLL {first['ref_nll']:.3f} -> {last['ref_nll']:.3f} "
-          f"({last['ref_nll'] / first['ref_nll']:.3f}x base); wall {wall / 60:.1f} min; "
-          f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+        for name in names:
+            home = Path(a.home or tempfile.mkdtemp(prefix=f"clawflow-learning-{name}-")).resolve() / name
+            home.mkdir(parents=True, exist_ok=True)
+            os.environ["CLAWFLOW_HOME"] = str(home)  # the flow, torchrun and the gateway read this home
+            cfg = write_config(a, home, name)
+            link_base_model(cfg, Path(a.model_cache).resolve())
+            t0 = time.monotonic()
+            print(f"\n== {name} (objective {cfg.train.objective}, lr {cfg.train.lr}, home {home})\n{HEADER}",
+                  flush=True)
+            _, rows = run(cfg, a.rounds, a.episodes, a.max_tokens, a.target, a.eval_prompts, a.questions,
+                          a.seed, say=lambda line: print(line, flush=True))
+            lines.append(summary(name, rows, a.target, time.monotonic() - t0))
+            print(lines[-1], flush=True)
+    print("\n" + "\n".join(lines) + f"\nload average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     return 0
 
 

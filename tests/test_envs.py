@@ -237,3 +237,21 @@ def test_collect_environment_flow_collects_and_shows_progress(make_config, prefe
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["environment-progress"])))
     tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in arts]
     assert rows in tables  # progress shown in Prefect
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ("personas:\n  - name: a\n    preferences:\n      - max_words: 3\n      - shouting: true\nprompts: [x]\n", 5,
+     "unknown preference `shouting`"),
+    ("personas:\n  - preferences: []\nprompts: [x]\n", 2, "missing `name`"),
+    ("personas:\n  - name: a\n    preferences: [{max_words: 3}]\n", 1, "missing `prompts`"),
+    ("personas: [\n  {name: a\n", 3, "not valid YAML"),
+    ("personas:\n  - name: a\n    preferences: [{max_words: 3}]\n    prompts: hello\nprompts: [x]\n", 4,
+     "`prompts` must be a non-empty list"),
+])
+def test_a_malformed_personas_file_is_one_line_naming_file_and_line(tmp_path, text, line, message):
+    path = tmp_path / "personas.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_personas(path)
+    assert str(err.value).startswith(f"{path}:{line}: ") and message in str(err.value)
+    assert "\n" not in str(err.value)

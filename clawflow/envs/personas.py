@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
 from clawflow.config import REPO_ROOT, EnvConfig
 from clawflow.envs.base import Environment, Episode, Step
+from clawflow.yamlfile import YamlDoc
 
 DEFAULT_FILE = REPO_ROOT / "configs" / "envs" / "personas.yaml"
 
@@ -68,10 +67,6 @@ class Preference:
     def holds(self, text: str) -> bool:
         return check(self.kind, self.value, text)
 
-    def describe(self) -> str:
-        v = ", ".join(self.value) if isinstance(self.value, list) else self.value
-        return f"{self.kind}={v}" if v is not None else self.kind
-
 
 @dataclass
 class Persona:
@@ -117,26 +112,41 @@ def feedback(persona: Persona, wording: Wording, reply: str, rng: random.Random,
 
 
 def load_personas(path: Path | None = None, names: list[str] | None = None) -> tuple[list[Persona], Wording]:
-    """Personas (all, or those named) and the feedback wording from the YAML file."""
-    src = Path(path or DEFAULT_FILE)
-    raw = yaml.safe_load(src.read_text())
-    pool = raw["prompts"]
+    """Personas (all, or those named) and the feedback wording from the YAML file; a malformed
+    file raises ValueError naming the file and the line."""
+    doc = YamlDoc(path or DEFAULT_FILE)
+    raw = doc.data
+    if not isinstance(raw, dict):
+        raise doc.error("expected a mapping with `personas`, `prompts` and `feedback`")
+    pool = doc.require(raw, "prompts", list)
     personas = []
-    for p in raw["personas"]:
-        prefs = [Preference(k, v) for item in p["preferences"] for k, v in item.items()]
-        for pref in prefs:
-            if pref.kind not in CHECKS:
-                raise ValueError(f"{src}: persona {p['name']}: unknown preference `{pref.kind}`")
-        personas.append(Persona(p["name"], prefs, p.get("prompts") or pool, p.get("system")))
-    w = raw["feedback"]
-    wording = Wording(w["satisfied"], w["next_prompt"], w["vague"], w["concrete"])
+    for i, p in enumerate(doc.require(raw, "personas", list)):
+        name = doc.require(p, "name", str, "personas", i)
+        prefs = []
+        for j, item in enumerate(doc.require(p, "preferences", list, "personas", i)):
+            if not isinstance(item, dict) or len(item) != 1:
+                raise doc.error(f"persona {name}: a preference is one `kind: value` pair", "personas", i,
+                                "preferences", j)
+            (kind, value), = item.items()
+            if kind not in CHECKS:
+                raise doc.error(f"persona {name}: unknown preference `{kind}` (known: {', '.join(CHECKS)})",
+                                "personas", i, "preferences", j)
+            prefs.append(Preference(kind, value))
+        own = p.get("prompts")
+        if own is not None and (not isinstance(own, list) or not all(isinstance(x, str) for x in own) or not own):
+            raise doc.error(f"persona {name}: `prompts` must be a non-empty list of strings", "personas", i, "prompts")
+        personas.append(Persona(name, prefs, own or pool, p.get("system")))
+    w = doc.require(raw, "feedback", dict)
+    parts = [doc.require(w, key, kind, "feedback") for key, kind in
+             (("satisfied", list), ("next_prompt", list), ("vague", dict), ("concrete", dict))]
+    wording = Wording(*parts)
     for pref in (pref for p in personas for pref in p.preferences):
         if pref.kind not in wording.vague or pref.kind not in wording.concrete:
-            raise ValueError(f"{src}: no feedback wording for preference `{pref.kind}`")
+            raise doc.error(f"no feedback wording for preference `{pref.kind}`", "feedback")
     if names:
         unknown = set(names) - {p.name for p in personas}
         if unknown:
-            raise ValueError(f"{src}: unknown persona(s): {', '.join(sorted(unknown))}")
+            raise doc.error(f"unknown persona(s): {', '.join(sorted(unknown))}", "personas")
         personas = [p for p in personas if p.name in names]
     return personas, wording
 
