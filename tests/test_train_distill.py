@@ -71,13 +71,17 @@ def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_mod
             gen = base.generate(hinted, attention_mask=torch.ones_like(hinted), do_sample=False,
                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
         expected.append((prompt, cut_at_eos(gen[0, hinted.shape[1]:].tolist(), {tok.eos_token_id})))
+    # a good turn whose "hint" is the user moving on: reinforced as recorded, never rewritten
+    good = [tok.convert_tokens_to_ids("Sure")] * 3
+    rows.append({**rows[0], "turn_id": "t-good", "response_token_ids": good, "response_logprobs": [-1.0] * 3,
+                 "reward": 1.0, "hint": "Thanks! Next: what is the capital of Peru?"})
     batch = tmp_path / "samples.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), batch)
 
     out, metrics = run(tmp_path, tiny_model_dir, batch, "distill", lr=5e-3, epochs=10, objective="distill",
                        rewrite_max_tokens=MAX_TOKENS, negative_weight=0.0)
     steps = metrics["per_step"]
-    assert all(s["rl_tokens"] == 0 for s in steps)  # the recorded replies carry no term
+    assert steps[0]["rl_tokens"] == 3  # only the good turn's recorded reply; corrected ones are replaced
     assert steps[0]["sft_tokens"] == sum(len(r) for _, r in expected)  # exactly the greedy hinted replies
     assert steps[-1]["sft_nll"] < steps[0]["sft_nll"]
     trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -56,7 +56,10 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
     versions = torch.tensor([s.policy_version for s in samples], dtype=torch.long)
     rl_adv, weight = sample_advantages(cfg, rewards, group, versions, parent_version)
     hinted = torch.tensor([bool(s.hint and s.messages) and objective.uses_hints for s in samples])
-    rewrite = hinted & objective.rewrites  # the rewrite replaces the recorded reply: no RL term on it
+    # Only a reply judged bad is rewritten (it then replaces the recorded reply: no RL term on it). A
+    # hint on a good turn is the user moving on ("Thanks. Next: ..."): a rewrite with it in the
+    # prompt answers the *next* question, and the student would learn to answer off-topic.
+    rewrite = hinted & objective.rewrites & (rewards < 0)
     rl_adv = torch.where(rewrite, torch.zeros_like(rl_adv), rl_adv)
     active = objective.active(rl_adv, hinted & objective.needs_teacher, weight, rewrite) \
         & torch.tensor([bool(s.response_token_ids) for s in samples])
@@ -64,7 +67,8 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
     for i, s in enumerate(samples):
         if not active[i]:
             continue
-        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools) if hinted[i] else None
+        uses = bool(hinted[i]) and (objective.needs_teacher or bool(rewrite[i]))
+        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools) if uses else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
                           float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i])))
     counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
