@@ -43,10 +43,11 @@ from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
 from clawflow.train import optim
 from clawflow.train.flops import matmul_peak_flops, param_counts, peak_memory_mb, train_flops
+from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
-from clawflow.train.rewrite import eos_token_ids, generate_rewrites
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
+from clawflow.train.rewrite import eos_token_ids, generate_rewrites
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
@@ -114,11 +115,17 @@ class Recipe:
             t0 = time.monotonic()
             replies = generate_rewrites(model, [it.teacher_prompt for it in missing], self.cfg.rewrite_max_tokens,
                                         eos_token_ids(model), self.pad_id)
-            done.update(zip((it.index for it in missing), D.broadcast_from_rank0(replies)))
+            replies = D.broadcast_from_rank0(replies)
+            done.update(zip((it.index for it in missing), replies))
             self._log(f"clawflow.train: rewrote {len(missing)} corrected replies with their hints in "
                       f"{time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
+        eos = eos_token_ids(model)
         for it in todo:
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
+        # a rewrite with no content would teach the student to say nothing
+        self.items = [it for it in self.items if not it.rewrite or any(t not in eos for t in it.response)]
+        if not self.items:
+            raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
         self.total_steps = len(self.plan) * self.cfg.epochs
 
