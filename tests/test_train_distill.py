@@ -15,11 +15,18 @@ from clawflow.config import TrainConfig
 from clawflow.feedback import SAMPLE_SCHEMA
 from clawflow.train.advantages import negative_scaled
 from clawflow.train.objective import Objective
-from clawflow.train.rewrite import cut_at_eos
+from clawflow.train.rewrite import addresses, cut_at_eos
 from clawflow.train.teacher import teacher_prompt_ids
-from tests.test_train_opd import CONVERSATIONS, encode, run
+from tests.test_train_opd import encode, run
 
 MAX_TOKENS = 12
+# Requests made of function words only pass `addresses` whatever a random model writes; the third
+# names a topic its random rewrite will not mention, so that rewrite is left out.
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Tell me more."}], "Answer in French, in one sentence."),
+    ([{"role": "user", "content": "Can you do it?"}], "Reply with a single digit only."),
+    ([{"role": "user", "content": "Describe the ocean."}], "Shorter please."),
+]
 
 
 def nll(model, prompt: list[int], reply: list[int]) -> float:
@@ -70,7 +77,10 @@ def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_mod
         with torch.no_grad():
             gen = base.generate(hinted, attention_mask=torch.ones_like(hinted), do_sample=False,
                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
-        expected.append((prompt, cut_at_eos(gen[0, hinted.shape[1]:].tolist(), {tok.eos_token_id})))
+        reply = cut_at_eos(gen[0, hinted.shape[1]:].tolist(), {tok.eos_token_id})
+        if addresses(messages[-1]["content"], tok.decode(reply, skip_special_tokens=True)):
+            expected.append((prompt, reply))
+    assert len(expected) == 2
     # a good turn whose "hint" is the user moving on: reinforced as recorded, never rewritten
     good = [tok.convert_tokens_to_ids("Sure")] * 3
     rows.append({**rows[0], "turn_id": "t-good", "response_token_ids": good, "response_logprobs": [-1.0] * 3,
@@ -82,10 +92,23 @@ def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_mod
                        rewrite_max_tokens=MAX_TOKENS, negative_weight=0.0)
     steps = metrics["per_step"]
     assert steps[0]["rl_tokens"] == 3  # only the good turn's recorded reply; corrected ones are replaced
-    assert steps[0]["sft_tokens"] == sum(len(r) for _, r in expected)  # exactly the greedy hinted replies
+    # exactly the greedy hinted replies that still answer their request
+    assert steps[0]["sft_tokens"] == sum(len(r) for _, r in expected)
     assert steps[-1]["sft_nll"] < steps[0]["sft_nll"]
     trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     before = sum(nll(base, p, r) for p, r in expected) / len(expected)
     after = sum(nll(trained, p, r) for p, r in expected) / len(expected)
     print(f"NLL of the hinted replies from the plain prompt: {before:.3f} -> {after:.3f}")
     assert after < 0.7 * before
+
+
+@pytest.mark.parametrize("request_, reply, ok", [
+    ("Summarize why people like gardening.", "People garden to relax and grow food.", True),
+    ("Summarize why people like gardening.", "I'm sorry for any confusion.", False),
+    ("Why is the sky blue?", "The answer to this question is:", False),
+    ("How do I keep houseplants alive?", "Water your houseplant weekly.", True),  # plural stemmed
+    ("What is it?", "Anything at all.", True),  # nothing to match on: not judged
+    ("Explain compound interest simply.", "Sorry, compound interest is interest on interest.", False),
+])
+def test_a_rewrite_must_still_answer_the_request(request_, reply, ok):
+    assert addresses(request_, reply) is ok

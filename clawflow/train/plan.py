@@ -43,6 +43,7 @@ class Item:
     weight: float
     teacher_prompt: list[int] | None  # hint-augmented prompt; None = no OPD term / no rewrite
     rewrite: bool = False  # distill: `response` is replaced by the hinted policy's reply before training
+    request: str = ""  # distill: the last user message's text (a rewrite must still answer it)
 
 
 def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample], tokenizer,
@@ -70,11 +71,21 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
         uses = bool(hinted[i]) and (objective.needs_teacher or bool(rewrite[i]))
         teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools) if uses else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
-                          float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i])))
+                          float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i]),
+                          last_user_text(s.messages) if rewrite[i] else ""))
     counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
               "hint_without_messages": sum(1 for s in samples if s.hint and not s.messages),
               "stale_dropped": int((weight == 0).sum())}
     return items, counts
+
+
+def last_user_text(messages: list[dict] | None) -> str:
+    """The text of the last user message (content parts joined)."""
+    for m in reversed(messages or []):
+        if m.get("role") == "user":
+            c = m.get("content")
+            return c if isinstance(c, str) else " ".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
+    return ""
 
 
 def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int) -> tuple[list[Item], dict, list[str]]:

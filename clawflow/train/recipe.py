@@ -47,7 +47,7 @@ from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
-from clawflow.train.rewrite import eos_token_ids, generate_rewrites
+from clawflow.train.rewrite import addresses, eos_token_ids, generate_rewrites
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
@@ -122,8 +122,16 @@ class Recipe:
         eos = eos_token_ids(model)
         for it in todo:
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
-        # a rewrite with no content would teach the student to say nothing
-        self.items = [it for it in self.items if not it.rewrite or any(t not in eos for t in it.response)]
+        # a rewrite with no content, or one that no longer answers the request, would teach the
+        # student to say nothing or to apologize
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.base_dir)
+        off = {it.index for it in todo if not any(t not in eos for t in it.response)
+               or not addresses(it.request, tok.decode(it.response, skip_special_tokens=True))}
+        if off:
+            self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty or off the request)")
+        self.items = [it for it in self.items if it.index not in off]
         if not self.items:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths

@@ -15,7 +15,34 @@ greedy replies, and rank 0's are broadcast so that ranks agree token for token.
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+# Function words that say nothing about what a request is about (English; a request with no other
+# words is never judged off-topic).
+_STOP = frozenset("""a an the is are was were be been do does did i im my me mine you your yours we our us it its
+this that these those to of for in on at by from with about as and or but if then so not no yes can could
+would should will shall may might must what which who whom whose how why when where there here please
+tell give make get let just also very more most some any all one two like know want need""".split())
+_WORD = re.compile(r"[^\W\d_]{3,}")
+_APOLOGY = re.compile(r"^\W*(i'?m sorry|i am sorry|sorry|i apologi[sz]e|my apologies|apologies)\b", re.IGNORECASE)
+
+
+def content_words(text: str) -> set[str]:
+    """Lower-cased words of 3+ letters that are not function words, crudely stemmed (plural -s)."""
+    return {w.rstrip("s") for w in _WORD.findall(text.lower()) if w not in _STOP}
+
+
+def addresses(request: str, reply: str) -> bool:
+    """Whether a rewritten reply still answers the request: it shares a content word with it and
+    does not open with an apology. A 135M teacher told "too wordy" often answers the complaint
+    ("I'm sorry for any confusion.") instead of the question; learned, that became the student's
+    answer to everything (issue #15). Pure and lexical: a request with no content words passes."""
+    if _APOLOGY.match(reply):
+        return False
+    asked = content_words(request)
+    return not asked or bool(asked & content_words(reply))
 
 
 def generate_rewrites(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
