@@ -214,8 +214,23 @@ class TrainConfig(_Strict):
     keep_optimizer: bool = True  # save AdamW state with the checkpoint; the next run continues it
     seed: int = 0
     nproc: int = 1  # torchrun --nproc_per_node
+    # Multi-node (torchrun's c10d rendezvous): every node runs the same training command with its
+    # own node_rank; 1 node = `--standalone`. rdzv_endpoint is host:port of a node all can reach.
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = None  # e.g. "trainer-0.internal:29400"
+    rdzv_id: str = "clawflow"  # the job's id: the same on every node, new for each job
+    rdzv_timeout_s: float = Field(900.0, gt=0)  # give up when the other nodes have not joined by then
     threads: int | None = None
     peak_flops: float | None = None  # MFU denominator (FLOP/s); None = measured matmul peak
+
+    @model_validator(mode="after")
+    def _multinode(self) -> "TrainConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+        return self
 
 
 class GateConfig(_Strict):

@@ -1,7 +1,9 @@
 """Run the training recipe as a `torchrun` subprocess and read back its metrics.
 
 The recipe always runs in its own processes (never in the caller's), so a laptop run and a
-multi-GPU run are the same command; only `train.nproc` changes. Output goes to
+multi-GPU run are the same command; only `train.nproc` changes. Across nodes (`train.nnodes` > 1)
+each node runs `run_training` with its own `train.node_rank` and the same batch and base paths;
+node 0's returns the metrics, the others `{"node_rank": N}`. Output goes to
 `<out.parent>/<out.name>.log`. An interrupted run leaves `<out>.resume/`; calling `run_training`
 again with the same `out` resumes it (that is what a Prefect task retry does).
 """
@@ -34,13 +36,24 @@ class TrainingError(RuntimeError):
 def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, out: Path,
                      parent_version: int = 0, frozen_base: str | None = None, stop_after: int = 0) -> list[str]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(cfg),
         f"--nproc_per_node={cfg.train.nproc}",
         "-m", "clawflow.train.recipe",
         "--config", str(config_path), "--base", str(base), "--batch", str(batch), "--out", str(out),
         "--parent-version", str(parent_version), "--stop-after", str(stop_after),
     ]  # fmt: skip
     return cmd + (["--frozen-base", str(frozen_base)] if frozen_base else [])
+
+
+def _rendezvous_args(cfg: Config) -> list[str]:
+    """`--standalone` on one node; across nodes, torchrun's c10d rendezvous (no restarts: a failed
+    run is retried by Prefect, which sees the reason)."""
+    t = cfg.train
+    if t.nnodes == 1:
+        return ["--standalone"]
+    return [f"--nnodes={t.nnodes}", f"--node-rank={t.node_rank}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id}",
+            f"--rdzv-conf=join_timeout={max(1, round(t.rdzv_timeout_s))}", "--max-restarts=0"]
 
 
 def run_training(
@@ -63,7 +76,8 @@ def run_training(
     """
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out.parent / f"{out.name}.log"
+    node = cfg.train.node_rank
+    log_path = out.parent / (f"{out.name}.log" if node == 0 else f"{out.name}.node{node}.log")
     env = dict(os.environ)
     pkg_root = str(Path(clawflow.__file__).resolve().parents[1])  # importable in the children
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
@@ -81,7 +95,9 @@ def run_training(
             raise TrainingError(f"training timed out after {timeout_s:g} s", log_path, None, _resumable(out))
     if rc != 0:
         rc = _root_cause_exit(log_path) or rc  # torchrun itself exits 1 whatever its worker returned
-        raise TrainingError(f"training failed (exit {rc}): {_reason(log_path)}", log_path, rc, _resumable(out))
+        raise TrainingError(f"training failed (exit {rc}): {_reason(log_path, cfg)}", log_path, rc, _resumable(out))
+    if node > 0:  # global rank 0, on node 0, writes the checkpoint and its metrics
+        return {"node_rank": node}
     return json.loads((out / "train_metrics.json").read_text())
 
 
@@ -110,9 +126,15 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _reason(log_path: Path) -> str:
-    """The recipe's own error line if it printed one, else the last non-empty log line."""
-    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+def _reason(log_path: Path, cfg: Config | None = None) -> str:
+    """The recipe's own error line if it printed one, a rendezvous that did not form, else the
+    last non-empty log line."""
+    text = log_path.read_text(errors="replace")
+    if cfg is not None and cfg.train.nnodes > 1 and re.search(r"Rendezvous\w*(Timeout|Connection|Closed)Error", text):
+        t = cfg.train
+        return (f"rendezvous {t.rdzv_id!r} at {t.rdzv_endpoint} did not form: {t.nnodes} nodes expected "
+                f"within {t.rdzv_timeout_s:g} s (node {t.node_rank})")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     ours = [ln for ln in lines if ln.startswith("clawflow.train: error:")]
     if ours:
         return ours[-1].removeprefix("clawflow.train: error: ")

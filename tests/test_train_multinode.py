@@ -1,0 +1,103 @@
+"""Multi-node training on one machine: two torchrun agents (2 nodes x 1 process, gloo) meet at a
+c10d rendezvous on a free localhost port and take the same steps as one process; a rendezvous
+that cannot form fails the run with a readable reason."""
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import free_port
+from test_train import base, batch, trained, weights  # noqa: F401  (fixtures: the 1-process run)
+
+from clawflow.config import REPO_ROOT, Config, load_config
+from clawflow.train.launch import TrainingError, run_training, torchrun_command
+
+
+def node_config(tmp: Path, node_rank: int, **train) -> tuple[Path, Config]:
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["train"].update({"lr": 1e-2, "epochs": 2, "micro_batch": 2, "nproc": 1, "nnodes": 2,
+                         "node_rank": node_rank, **train})
+    path = tmp / f"node{node_rank}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path, load_config(path)
+
+
+def test_command_is_standalone_only_on_one_node(tmp_path):
+    one = load_config(REPO_ROOT / "configs" / "test.yaml")
+    cmd = torchrun_command(tmp_path / "c.yaml", one, tmp_path, tmp_path / "b", tmp_path / "o")
+    assert "--standalone" in cmd and not any(a.startswith("--rdzv") for a in cmd)
+    _, two = node_config(tmp_path, 1, rdzv_endpoint="10.0.0.5:29400", rdzv_id="job-7", rdzv_timeout_s=30)
+    cmd = torchrun_command(tmp_path / "c.yaml", two, tmp_path, tmp_path / "b", tmp_path / "o")
+    assert "--standalone" not in cmd
+    assert {"--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.5:29400",
+            "--rdzv-id=job-7", "--rdzv-conf=join_timeout=30"} <= set(cmd)
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"nnodes": 2}, "needs rdzv_endpoint"),
+    ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank 2 must be below nnodes 2"),
+])
+def test_bad_multinode_settings_are_one_line_errors(tmp_path, train, message):
+    from clawflow.config import ConfigError
+
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["train"].update(train)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(tmp_path / "c.yaml")
+    assert "\n" not in str(err.value)
+
+
+def test_two_nodes_match_one_process(base, batch, trained, tmp_path, monkeypatch):  # noqa: F811
+    """Same tolerances as test_train.py's 2-rank test: loss 1e-5, grad norm 1e-4 relative,
+    weights 1e-4."""
+    monkeypatch.setenv("CLAWFLOW_HOME", str(tmp_path / "home"))
+    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"test-{time.time_ns()}"
+    out = tmp_path / "ckpt" / "two-nodes"
+    results: dict[int, object] = {}
+
+    def node(rank: int) -> None:
+        path, cfg = node_config(tmp_path, rank, rdzv_endpoint=endpoint, rdzv_id=rdzv_id, rdzv_timeout_s=120)
+        try:
+            results[rank] = run_training(path, cfg, base, batch[0], out, timeout_s=300, parent_version=4)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            results[rank] = exc
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=node, args=(r,)) for r in (1, 0)]  # the non-host node first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(f"2 nodes x 1 process took {time.monotonic() - t0:.1f} s")
+    assert results[1] == {"node_rank": 1}, results[1]
+    metrics = results[0]
+    assert isinstance(metrics, dict), metrics
+    assert metrics["world_size"] == 2 and metrics["steps"] == trained[1]["steps"]
+    for a, b in zip(metrics["per_step"], trained[1]["per_step"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["n_tokens"] == b["n_tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    one, two = weights(trained[0]), weights(out)
+    assert one.keys() == two.keys()
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-4, worst
+    assert (out.parent / "two-nodes.log").is_file() and (out.parent / "two-nodes.node1.log").is_file()
+
+
+def test_rendezvous_that_cannot_form_fails_with_the_reason(base, batch, tmp_path, monkeypatch):  # noqa: F811
+    """Node 0 of 2 waits alone: a TrainingError naming the rendezvous (Prefect's task retry then
+    applies), within the join timeout, not torchrun's default 600 s."""
+    monkeypatch.setenv("CLAWFLOW_HOME", str(tmp_path / "home"))
+    endpoint = f"127.0.0.1:{free_port()}"
+    path, cfg = node_config(tmp_path, 0, rdzv_endpoint=endpoint, rdzv_id="lonely", rdzv_timeout_s=3)
+    out = tmp_path / "ckpt" / "lonely"
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError) as err:
+        run_training(path, cfg, base, batch[0], out, timeout_s=120)
+    took = time.monotonic() - t0
+    print(f"failed rendezvous reported in {took:.1f} s")
+    assert err.value.reason.startswith("training failed (exit")
+    assert f"rendezvous 'lonely' at {endpoint} did not form: 2 nodes expected within 3 s" in err.value.reason
+    assert "\n" not in err.value.reason and took < 60 and not out.exists()
