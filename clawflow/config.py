@@ -8,11 +8,12 @@ from `CLAWFLOW_HOME` (default `./.clawflow`), so one YAML file serves every mach
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
@@ -55,8 +56,11 @@ class ModelConfig(_Strict):
 
 
 class ServingConfig(_Strict):
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the bind address
     port: int = 30000
+    # What trainers, environments and clients call (a load balancer, a DNS name) when that is not
+    # host:port itself; None: http://host:port (loopback when host binds every interface).
+    public_url: str | None = None
     api_key: str = "clawflow"
     admin_key: str = "clawflow-admin"
     max_new_tokens: int = 256  # default when the request sets no max_tokens
@@ -65,6 +69,13 @@ class ServingConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get HTTP 413
     engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (README)
     sglang_url: str = "http://127.0.0.1:30010"
+
+    @field_validator("public_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", v):
+            raise ValueError(f"must be an http(s) URL such as http://gateway.internal:30000, not {v!r}")
+        return v.rstrip("/") if v else v
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     # torch engine: prompt KV kept for reuse by later prompts sharing a prefix (system prompt, earlier
     # turns); 0 disables. ~46 KB per token for SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 x
@@ -327,7 +338,10 @@ class Config(_Strict):
 
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.serving.host}:{self.serving.port}"
+        if self.serving.public_url:
+            return self.serving.public_url
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.serving.host, self.serving.host)
+        return f"http://{host}:{self.serving.port}"
 
 
 class ConfigError(ValueError):
