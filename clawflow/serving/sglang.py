@@ -3,8 +3,12 @@
 SGLang pins its own torch/transformers and needs CUDA (its CPU backend needs AMX), so it runs as
 its own server process and clawflow never imports it. Tokens in, tokens out: the gateway applies
 the chat template here and sends `input_ids` to `/generate` with `return_logprob`, so the recorded
-ids and logprobs are SGLang's own (`meta_info.output_token_logprobs`, `[logprob, token_id, _]`;
-SGLang computes them from the raw logits, before temperature/top-p, like the torch engine).
+ids and logprobs are SGLang's own (`meta_info.output_token_logprobs`, `[logprob, token_id, _]`).
+SGLang returns log_softmax(logits / temperature) unless its server runs with
+`SGLANG_RETURN_ORIGINAL_LOGPROB=1` (then log_softmax(logits), what the trainer's ratio assumes, like
+the torch engine). The setting is an environment variable of the SGLang process that none of its
+HTTP routes reports, so at connect time the adapter measures it (`check_logprobs`): the top token's
+logprob at temperature 1 and 0.5 is the same only for raw logprobs. Scaled ones are refused.
 Reload is `/update_weights_from_disk` with `weight_version`; a LoRA adapter directory is loaded
 with `/load_lora_adapter` and named in later requests' `lora_path`. A request's version is the
 `weight_version` SGLang reports for it; SGLang by default waits for in-flight requests before it
@@ -14,6 +18,7 @@ swaps weights, so a reply is never a mix.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +27,12 @@ import httpx
 
 from clawflow.serving.batcher import QueueFull
 from clawflow.serving.engine import Generation, ReloadError, SamplingParams, TokenCallback
+
+log = logging.getLogger(__name__)
+
+
+class LogprobsError(RuntimeError):
+    """SGLang returns temperature-scaled logprobs: recording them would bias every training ratio."""
 
 
 class SGLangEngine:
@@ -37,6 +48,10 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="clawflow-sglang")
         self._limit, self._outstanding, self._lock = max_batch + max_queue, 0, threading.Lock()
         self.eos_ids = {self.tokenizer.eos_token_id}
+        # "raw" | "scaled" | None (not measured yet: the server was unreachable or the probe undecided)
+        self.logprobs_kind: str | None = None
+        self._check_lock = threading.Lock()
+        self.check_logprobs()
 
     # -- the engine interface (see TorchEngine) ---------------------------------------------
     @property
@@ -107,6 +122,31 @@ class SGLangEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
+    def check_logprobs(self) -> str | None:
+        """Measure which logprobs the server returns (once it answers); raise LogprobsError for
+        scaled ones. Returns "raw", or None while the server cannot tell (down, or a top token of
+        probability ~1)."""
+        with self._check_lock:
+            if self.logprobs_kind is None:
+                try:
+                    top = [self._top_logprob(t) for t in (1.0, 0.5)]
+                except (RuntimeError, KeyError, IndexError, TypeError, ValueError) as exc:
+                    log.warning("SGLang logprob check postponed (%s)", exc)
+                    return None
+                self.logprobs_kind = _logprobs_kind(*top)
+                log.info("SGLang at %s returns %s logprobs (top token: %.4f at T=1, %.4f at T=0.5)",
+                         self.url, self.logprobs_kind or "undecided", *top)
+            if self.logprobs_kind == "scaled":
+                raise LogprobsError(f"SGLang at {self.url} returns temperature-scaled logprobs; restart it "
+                                    "with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (README: Serving with SGLang)")
+            return self.logprobs_kind
+
+    def _top_logprob(self, temperature: float) -> float:
+        prompt = self.encode_chat([{"role": "user", "content": "Say one word."}])
+        body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 1,
+                "sampling_params": {"max_new_tokens": 1, "temperature": temperature, "top_p": 1.0}}
+        return float(self._post("/generate", body)["meta_info"]["output_top_logprobs"][0][0][0])
+
     # -- HTTP --------------------------------------------------------------------------------
     def _release(self) -> None:
         with self._lock:
@@ -127,6 +167,8 @@ class SGLangEngine:
         return out
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None) -> Generation:
+        if self.logprobs_kind is None:  # SGLang was not up when the gateway started
+            self.check_logprobs()
         version, lora = self._version, self._lora  # SGLang's own weight_version wins when it reports one
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop": params.stop or None, "no_stop_trim": False}
@@ -172,3 +214,14 @@ class SGLangEngine:
 def _new_entries(entries: list, have: int, completion_tokens: int) -> list:
     """SGLang streams cumulative lists by default, increments with `--incremental-streaming-output`."""
     return entries[have:] if len(entries) == completion_tokens else entries
+
+
+def _logprobs_kind(at_t1: float, at_half: float) -> str | None:
+    """Raw logprobs do not depend on the temperature; scaled ones sharpen: the top token's rises
+    (log_softmax(2z) vs log_softmax(z)). A top token of probability ~1 cannot tell them apart."""
+    if at_t1 > -1e-3:
+        return None
+    tolerance = 0.01 + 0.02 * abs(at_t1)  # bf16 logits and batch composition move raw values a little
+    if abs(at_half - at_t1) <= tolerance:
+        return "raw"
+    return "scaled" if at_half > at_t1 else None
