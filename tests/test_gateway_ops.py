@@ -19,6 +19,8 @@ def test_models_and_metrics(served):
     assert [m.id for m in r.data] == [MODEL]
     raw = httpx.get(f"{cfg.gateway_url}/v1/models", headers=user(cfg)).json()
     assert raw["object"] == "list" and raw["data"][0]["policy_version"] == 0
+    # the context length, under both names clients look for: the tiny model's 2048 positions
+    assert raw["data"][0]["context_length"] == raw["data"][0]["max_model_len"] == 2048
 
     resp = httpx.get(f"{cfg.gateway_url}/metrics")
     assert resp.headers["content-type"].startswith("text/plain")

@@ -33,7 +33,7 @@ def test_approval_scores_plus_one():
     j = judge(user_reply("thanks, perfect"))
     assert j.score == 1 and j.votes == [1]
     assert j.hint is None
-    assert j.judge == "rules" and j.judge_version == "v1" and "thanks" in j.rationale
+    assert j.judge == "rules" and j.judge_version == RuleJudge.version and "thanks" in j.rationale
 
 
 def test_correction_scores_minus_one_with_a_hint():

@@ -19,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from clawflow.envelopes import normalize_messages
+
 
 @dataclass(frozen=True)
 class JudgeInput:
@@ -26,6 +28,12 @@ class JudgeInput:
     turn: dict[str, Any]
     next_state: list[dict[str, Any]]
     next_role: str
+
+    def __post_init__(self) -> None:
+        # Every backend, hint and feature reads the user's words, not the client's envelope
+        # (OpenClaw's timestamp and runtime line): normalized once, here, for all of them.
+        object.__setattr__(self, "context", normalize_messages(self.context))
+        object.__setattr__(self, "next_state", normalize_messages(self.next_state))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from clawflow.config import REPO_ROOT, JudgeConfig, default_home
+from clawflow.envelopes import VERSION as ENVELOPES_VERSION
 from clawflow.judge.base import JudgeInput, Judgment
 from clawflow.judge.dataset import load_labelled
 from clawflow.judge.features import CLASSES, clauses, feature_vector
@@ -113,7 +114,8 @@ class EmbeddedJudge:
         self.heads = {r: _head(tensors, r) for r in ROLES}
         self.probes = {r: _head(tensors, f"{r}.reader") for r in ROLES}
         hints = f"h{HINTS_VERSION}.{cfg.hint_min_chars}{cfg.hints[0]}"
-        self.version = f"{MODEL_ID}+{digest[:10]}+{hints}" + ("" if cfg.include_request else "-noreq")
+        self.version = (f"{MODEL_ID}+{digest[:10]}+{hints}+env{ENVELOPES_VERSION}"
+                        + ("" if cfg.include_request else "-noreq"))
 
     def features(self, items: list[JudgeInput]) -> tuple[list[str], list[str], list[torch.Tensor], torch.Tensor]:
         """(roles, next-state texts, MiniLM features ((f,) each), reader features (n, d)) of `items`.

@@ -18,6 +18,7 @@ import random
 import httpx
 
 from clawflow.config import JudgeConfig
+from clawflow.envelopes import VERSION as ENVELOPES_VERSION
 from clawflow.judge.base import JudgeInput, JudgeUnavailable, Judgment, majority
 from clawflow.judge.parse import extract_hint, parse_boxed, rationale, select_hint
 from clawflow.judge.prompts import fingerprint, load_prompt, messages
@@ -40,7 +41,7 @@ class LLMJudge:
         self.prompt_version = "+".join(p.version for p in used)
         self.version = fingerprint(self.llm.model, [(p.version, p.digest) for p in used], cfg.votes,
                                    self.llm.temperature, cfg.include_request, cfg.context_messages,
-                                   cfg.hints, cfg.hint_min_chars)
+                                   cfg.hints, cfg.hint_min_chars, f"env{ENVELOPES_VERSION}")
         self.requests = self.tokens = self.retries = 0
         self.down: str | None = None  # set when the endpoint failed a turn after all retries
         self._sem: asyncio.Semaphore | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from clawflow.envelopes import VERSION as ENVELOPES_VERSION
 from clawflow.judge.base import JudgeInput, Judgment, majority
 
 _NEG = re.compile(
@@ -32,7 +33,7 @@ def _text(messages: list[dict]) -> str:
 
 class RuleJudge:
     name = "rules"
-    version = "v1"
+    version = f"v1+env{ENVELOPES_VERSION}"  # env: turns judged before envelopes were stripped are judged again
 
     async def __call__(self, item: JudgeInput) -> Judgment:
         text = _text(item.next_state)

@@ -121,9 +121,12 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
 
     @app.get("/v1/models", dependencies=[Depends(require_key)])
     async def models() -> dict[str, Any]:
+        # The context length under the names other servers use (vLLM, SGLang: max_model_len;
+        # OpenRouter, LM Studio: context_length), so clients such as `clawflow connect` discover it.
+        n = gw.engine.context_length
         return {"object": "list", "data": [{
             "id": gw.cfg.model.name, "object": "model", "owned_by": "clawflow",
-            "policy_version": gw.engine.policy_version,
+            "policy_version": gw.engine.policy_version, "context_length": n, "max_model_len": n,
         }]}
 
     async def _chat(request: Request, req: ChatCompletionRequest, x_session_id: str | None, x_turn_type: str | None,

@@ -18,15 +18,18 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from clawflow.envelopes import normalize_text
 from clawflow.serving.protocol import tool_arguments
 
 
 def _canon(msg: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a message that identify it (clients re-send history with cosmetic changes)."""
+    """The parts of a message that identify it (clients re-send history with cosmetic changes, and
+    an agent's envelope may change between re-sends, e.g. OpenClaw's runtime line)."""
     calls = msg.get("tool_calls") or []
+    content = msg.get("content") or ""
     return {
         "role": msg.get("role"),
-        "content": (msg.get("content") or "").strip(),
+        "content": (normalize_text(content) if msg.get("role") == "user" and isinstance(content, str) else content).strip(),
         "tool_calls": [[c["function"]["name"], tool_arguments(c["function"].get("arguments"))] for c in calls],
     }
 
