@@ -177,5 +177,9 @@ from clawflow import cli_policy  # noqa: E402 - registers train, versions, compa
 
 cli_policy.register(app, _cfg, ConfigOpt)
 
+from clawflow import cli_connect  # noqa: E402 - registers connect openclaw
+
+cli_connect.register(app, _cfg, ConfigOpt)
+
 if __name__ == "__main__":
     app()
