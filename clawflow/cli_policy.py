@@ -75,19 +75,17 @@ def register(app: typer.Typer, load, config_opt) -> None:
         console.print(f"run {final.name} completed: {final.phase or ''}")
 
     @app.command()
-    def versions(config: Optional[Path] = config_opt) -> None:
-        """Registered versions with aliases, gate verdicts and training metrics."""
+    def versions(config: Optional[Path] = config_opt,
+                 wide: bool = typer.Option(False, "--wide", "-w", help="also list the checkpoint paths")) -> None:
+        """Registered versions with aliases, gate verdicts and training metrics (fits 80 columns;
+        --wide adds the checkpoint paths)."""
         from clawflow import registry
 
-        cfg = load(config)
-        table = Table("version", "aliases", "created", "gate", "turns", "loss", "reward mean", "source")
-        for v in registry.list_versions(cfg):
-            created = dt.datetime.fromtimestamp(v["created"] / 1000).strftime("%Y-%m-%d %H:%M")
-            loss = v["metrics"].get("loss")
-            table.add_row(str(v["version"]), ",".join(v["aliases"]), created, v["tags"].get("gate", ""),
-                          v["tags"].get("turns", ""), f"{loss:.4g}" if loss is not None else "",
-                          v["tags"].get("reward_mean", ""), v["source"])
-        console.print(table)
+        rows = registry.list_versions(load(config))
+        console.print(version_table(rows))
+        if wide:  # whole lines, not a table column: a path folded into a cell cannot be copied
+            for v in rows:
+                console.print(f"v{v['version']}  {v['source']}", soft_wrap=True, highlight=False, markup=False)
 
     @app.command()
     def compare(a: str, b: str, config: Optional[Path] = config_opt) -> None:
@@ -179,3 +177,20 @@ def register(app: typer.Typer, load, config_opt) -> None:
             except APIConnectionError:
                 _fail(f"gateway at {cfg.gateway_url} is not running (clawflow up)")
             history.append({"role": "assistant", "content": reply})
+
+
+def version_table(rows: list[dict]) -> Table:
+    """`clawflow versions`: one line per version in 80 columns (local time as MM-DD HH:MM; a date
+    of another year as YYYY-MM-DD)."""
+    table = Table()
+    for name in ("ver", "aliases", "created", "gate", "turns", "loss", "reward"):
+        table.add_column(name, no_wrap=True)  # a date or a number split over two lines is unreadable
+    this_year = dt.datetime.now().year
+    for v in rows:
+        created = dt.datetime.fromtimestamp(v["created"] / 1000)
+        when = created.strftime("%m-%d %H:%M" if created.year == this_year else "%Y-%m-%d")
+        loss = v["metrics"].get("loss")
+        table.add_row(str(v["version"]), ",".join(v["aliases"]), when, v["tags"].get("gate", ""),
+                      v["tags"].get("turns", ""), f"{loss:.4g}" if loss is not None else "",
+                      v["tags"].get("reward_mean", ""))
+    return table

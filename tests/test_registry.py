@@ -104,3 +104,32 @@ def test_lineage_tags_fit_mlflow_or_fall_back_to_a_hash():
     assert long["shards"] == f"400 shards sha256:{long['shards_sha256']}; see lineage.json"
     assert len(long["shards"]) < MAX_TAG_CHARS and long["shard_count"] == "400"
     assert lineage_tags(3, many[:-1], 5000)["shards_sha256"] != long["shards_sha256"]
+
+
+def test_cli_versions_fit_80_columns_and_wide_adds_the_paths(cfg, tmp_path):
+    """One line per version in an 80-column terminal (dates whole); paths only with --wide."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from clawflow.cli import app
+
+    deep = tmp_path / "a-long-home-directory" / "projects" / "clawflow" / ".clawflow" / "checkpoints"
+    deep.mkdir(parents=True)
+    registry.ensure_base(cfg, str(deep))
+    for n in (2, 3):
+        registry.promote(cfg, new_version(cfg, deep, n, n - 1))
+    registry.tag_version(cfg, 3, {"gate": "rejected", "reward_mean": "-0.2500"})
+    runner = CliRunner(env={"COLUMNS": "80"})  # what rich sees in an 80-column terminal
+    out = runner.invoke(app, ["versions", "--config", str(cfg.source_file)])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert max(map(len, lines)) <= 80, out.output
+    rows = [line for line in lines if re.match(r"│ \d+ ", line)]
+    assert len(rows) == 3 and all(re.search(r"\d\d-\d\d \d\d:\d\d", r) for r in rows), out.output
+    assert "champion" in rows[0] and "rejected" in rows[0] and "previous" in rows[1] and "base" in rows[2]
+    assert str(deep) not in out.output
+
+    wide = runner.invoke(app, ["versions", "--wide", "--config", str(cfg.source_file)])
+    assert wide.exit_code == 0 and f"v3  {deep / 'ckpt3'}" in wide.output.splitlines(), wide.output
+    assert f"v1  {deep}" in wide.output.splitlines()
