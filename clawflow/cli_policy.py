@@ -134,8 +134,10 @@ def register(app: typer.Typer, load, config_opt) -> None:
                  config: Optional[Path] = config_opt) -> None:
         """Move `champion` back to VERSION (default: `previous`) and hot-reload the gateway."""
         from clawflow import ops
+        from clawflow.stack import adopt_prefect_api
 
         cfg = load(config)
+        adopt_prefect_api(cfg)  # so clawflow.policy.rolled-back reaches the stack's Prefect
         try:
             result = ops.rollback(cfg, int(version) if version and version.isdigit() else version)
         except (LookupError, ops.GatewayRefused) as exc:

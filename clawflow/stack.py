@@ -41,6 +41,23 @@ def service_env(cfg: Config) -> dict[str, str]:
     return env
 
 
+def adopt_prefect_api(cfg: Config) -> str | None:
+    """Point this process's Prefect client at the stack's server the way `up` points its services
+    (services.prefect_port), when the environment names no API and that server answers: a command
+    run from a plain shell (`clawflow rollback`) then reaches Prefect. Call before Prefect is
+    imported. The API used, or None."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    api = service_env(cfg)["PREFECT_API_URL"]
+    try:
+        if httpx.get(f"{api}/health", timeout=2).status_code != 200:
+            return None
+    except httpx.HTTPError:
+        return None  # no stack running: events stay log lines, as they do for the gateway
+    os.environ["PREFECT_API_URL"] = api
+    return api
+
+
 def _start(cfg: Config, name: str, argv: list[str], env: dict[str, str]) -> int:
     (cfg.home / "logs").mkdir(parents=True, exist_ok=True)
     (cfg.home / "run").mkdir(parents=True, exist_ok=True)
