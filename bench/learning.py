@@ -192,10 +192,11 @@ def measure(cfg: Config, persona, prompts: list[str], questions, max_tokens: int
     from clawflow import helpfulness as H
     from clawflow.envs import evaluation as E
 
-    ask = [*prompts, *(q.prompt for q in questions)]
-    replies = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name, ask, max_tokens)
-    mine, answers = replies[: len(prompts)], replies[len(prompts):]
-    h = H.score(questions, answers, H.relevance(questions, answers))
+    h_cfg = cfg.gate.helpfulness  # the gate's own settings, so the figures match its verdicts
+    mine = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name, prompts, max_tokens)
+    answers = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name,
+                               [q.prompt for q in questions], h_cfg.max_new_tokens)
+    h = H.score(questions, answers, H.relevance(questions, answers), h_cfg.offtopic_below)
     return {"hit_rate": E.hit_rate(persona, mine), "facts": h.facts_rate, "duplicates": h.duplicate_share,
             "loops": h.repetitive_share, "offtopic": h.offtopic_share, "empty": h.empty_share,
             "mean_words": sum(len(r.split()) for r in mine) / len(mine), "example": mine[0][:70],
@@ -217,7 +218,7 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
 
     [persona], _ = load_personas(cfg.envs.personas_file, cfg.envs.personas)
     held = load_held_out(training_prompts=persona.prompts, persona=persona.name)
-    prompts, qs = held.eval_prompts[:eval_prompts], load_questions()[:questions]
+    prompts, qs = held.eval_prompts[:eval_prompts], load_questions(cfg.gate.helpfulness.questions)[:questions]
     envs = build_envs(cfg)
     rng = random.Random(seed)
     t0 = time.monotonic()

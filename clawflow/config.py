@@ -244,6 +244,25 @@ class TrainConfig(_Strict):
         return self
 
 
+class HelpfulnessConfig(_Strict):
+    """The gate's helpfulness check (clawflow/helpfulness.py): greedy answers to held-out general
+    questions must still state their key facts, and must not degenerate."""
+
+    enabled: bool = True
+    questions: Path | None = None  # default configs/eval/helpfulness.yaml
+    max_new_tokens: int = Field(48, ge=1)
+    margin: float = Field(0.05, ge=0.0)  # facts rate may fall this much below the champion's / base's
+    compare_to: list[Literal["champion", "base"]] = Field(default_factory=lambda: ["champion", "base"])
+    max_duplicate_share: float = Field(0.1, ge=0.0, le=1.0)  # answers repeating another question's answer
+    max_repetitive_share: float = Field(0.1, ge=0.0, le=1.0)  # answers that loop
+    max_empty_share: float = Field(0.05, ge=0.0, le=1.0)
+    # MiniLM cosine(question, answer) under this: off-topic (SmolLM2 base answers: 0.36 and up, median
+    # 0.79; answers shuffled onto other questions: median 0.19)
+    offtopic_below: float = Field(0.25, ge=-1.0, le=1.0)
+    max_offtopic_increase: float = Field(0.1, ge=0.0, le=1.0)  # vs each reference
+    timeout_s: float = Field(180.0, gt=0)  # generation past this rejects the candidate
+
+
 class GateConfig(_Strict):
     """Eval gate before promotion (clawflow/gate.py)."""
 
@@ -260,6 +279,7 @@ class GateConfig(_Strict):
     judged_margin: float = Field(0.1, ge=0.0)
     judged_min_turns: int = Field(3, ge=1)  # fewer held-out turns of a sign: that sign is not checked
     max_probe_tokens: int = Field(1024, ge=2)  # prompt + reply tokens per judged turn (prompt cut from the left)
+    helpfulness: HelpfulnessConfig = Field(default_factory=HelpfulnessConfig)
     probes: list[str] = Field(default_factory=lambda: [
         "What is the capital of France?",
         "Write one sentence about the ocean.",

@@ -13,19 +13,27 @@ Checks, cheapest first:
    `gate.judged_margin` nats/token, on replies scored −1 it may not rise above it by more.
    A policy that learned the opposite of its users' feedback fails here, even with small drift.
 
+4. helpfulness (clawflow/helpfulness.py): greedy answers to held-out general questions must still
+   state their key facts (no lower than the champion's and the base's by more than
+   `gate.helpfulness.margin`) and must not degenerate (one answer for many questions, loops, empty
+   or unrelated answers). A learned preference never excuses a lost answer; generation that fails
+   or runs out of time rejects the candidate. The references' figures are cached per checkpoint.
+
 Simplification: no fresh-reply judging (a fresh reply has no next state to judge); judged turns
 are scored by likelihood of their recorded reply, which needs no judge at gate time.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clawflow.config import GateConfig
+from clawflow.config import GateConfig, HelpfulnessConfig
 
 Step = Callable[[], None]
 
@@ -113,11 +121,6 @@ def drift(tok, champ, cand, prompts: list[str], max_new_tokens: int, step: Step 
             "probes": float(len(kls))}
 
 
-def probe_drift(champion_dir: str, candidate_dir: str, prompts: list[str], max_new_tokens: int,
-                step: Step | None = None) -> dict[str, float]:
-    return drift(*load_pair(champion_dir, candidate_dir), prompts, max_new_tokens, step)
-
-
 def reply_loglik(model, turns: list[dict[str, Any]], max_tokens: int, step: Step | None = None) -> list[float]:
     """Mean per-token log-likelihood of each turn's recorded reply given its recorded prompt
     (token ids, no re-tokenization); long prompts keep their last tokens."""
@@ -143,10 +146,49 @@ def judged_probe(tok, champ, cand, turns: list[dict[str, Any]], max_tokens: int,
                           [int(t["score"]) for t in turns])
 
 
+def helpfulness_check(h: HelpfulnessConfig, tok, champ, cand, champion_dir: str, base_dir: str | None,
+                      cache_dir: Path | None) -> tuple[str | None, dict[str, float]]:
+    """(why the candidate answers worse or degenerates, or None; its figures and the references')."""
+    from clawflow import helpfulness as H
+    from clawflow.judge.minilm import MiniLM
+
+    questions = H.load_questions(h.questions)
+    settings = json.dumps([H.file_digest(h.questions), h.max_new_tokens, h.offtopic_below])
+    encoder = MiniLM(threads=1)
+
+    def run(model) -> H.Helpfulness:  # each measurement gets the full time limit
+        return H.measure(model, tok, questions, h, time.monotonic() + h.timeout_s, encoder)
+
+    def reference(model_dir: str, load) -> H.Helpfulness:
+        return H.cached(cache_dir, model_dir, settings, lambda: run(load())) if cache_dir else run(load())
+
+    candidate = run(cand)
+    refs: dict[str, H.Helpfulness] = {}
+    if "champion" in h.compare_to:
+        refs["champion"] = reference(champion_dir, lambda: champ)
+    if "base" in h.compare_to and base_dir:
+        same = Path(base_dir).resolve() == Path(champion_dir).resolve() and "champion" in refs
+        refs["base"] = refs["champion"] if same else reference(base_dir, lambda: _load(base_dir))
+    m = candidate.as_metrics("help_")
+    for name, ref in refs.items():
+        m[f"help_facts_rate_{name}"] = ref.facts_rate
+    return H.verdict(candidate, refs, h), m
+
+
+def _load(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
-             judged: list[dict[str, Any]] | None = None) -> GateResult:
+             judged: list[dict[str, Any]] | None = None, base_dir: str | None = None,
+             cache_dir: Path | None = None) -> GateResult:
     """The verdict on `candidate_dir` vs `champion_dir`; `judged` are held-out judged turns (dicts
-    with prompt_token_ids, response_token_ids, score), empty or None to skip that check."""
+    with prompt_token_ids, response_token_ids, score), empty or None to skip that check; `base_dir`
+    is the base model the helpfulness check also compares with; `cache_dir` keeps the references'
+    helpfulness figures."""
     if bad := nonfinite_tensors(candidate_dir):
         return GateResult(False, f"non-finite weights in {len(bad)} tensors (e.g. {bad[0]})",
                           {"nonfinite_tensors": float(len(bad))})
@@ -163,6 +205,20 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
                                  f"> {gate.max_nll_increase}", m)
     if reason := judged_verdict(m, gate.judged_margin, gate.judged_min_turns):
         return GateResult(False, reason, m)
+    helped = ""
+    if gate.helpfulness.enabled:
+        t0 = time.monotonic()
+        try:
+            reason, figures = helpfulness_check(gate.helpfulness, tok, champ, cand, champion_dir, base_dir, cache_dir)
+        except Exception as exc:  # noqa: BLE001 - out of memory, time limit, a bad file: never promote on it
+            return GateResult(False, f"helpfulness check failed ({type(exc).__name__}: {exc})", m)
+        m.update(figures)
+        m["help_seconds"] = time.monotonic() - t0
+        if reason:
+            return GateResult(False, reason, m)
+        helped = f"; key facts {m['help_facts_rate']:.2f} (" + ", ".join(
+            f"{k.removeprefix('help_facts_rate_')} {v:.2f}" for k, v in figures.items()
+            if k.startswith("help_facts_rate_")) + ")"
     held = int(m["judged_pos"] + m["judged_neg"])
     return GateResult(True, f"probe KL {m['probe_kl']:.4f} ≤ {gate.max_kl}; "
-                            f"{held} held-out judged turns within ±{gate.judged_margin}", m)
+                            f"{held} held-out judged turns within ±{gate.judged_margin}{helped}", m)

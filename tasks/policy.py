@@ -15,8 +15,13 @@ from clawflow import events, ops, registry
 from clawflow.config import Config
 from clawflow.gate import GateResult, evaluate
 from clawflow.holdout import held_out_turns
+from clawflow.models import base_model_dir
 from clawflow.restarts import RestartDecision, restart_decision
 from clawflow.store.catalog import Catalog
+
+
+def helpfulness_cache(cfg: Config):
+    return cfg.home / "eval" / "helpfulness"
 
 
 @task(name="held-out-probes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -34,7 +39,7 @@ def held_out_probes(cfg: Config, batch_turn_ids: list[str]) -> list[dict[str, An
 def gate_candidate(cfg: Config, version: int, candidate: str, champion: str,
                    judged: list[dict[str, Any]] | None = None) -> GateResult:
     """Evaluate the candidate against the champion; tag the version with the verdict."""
-    result = evaluate(cfg.gate, candidate, champion, judged)
+    result = evaluate(cfg.gate, candidate, champion, judged, base_model_dir(cfg), helpfulness_cache(cfg))
     tags = {f"eval.{k}": f"{v:.6g}" for k, v in result.metrics.items()}
     tags["gate"] = "passed" if result.passed else "rejected"
     tags["gate_reason"] = result.reason
@@ -55,7 +60,7 @@ def rollback_champion(cfg: Config, target: int | str | None) -> dict[str, Any]:
       task_run_name="evaluate-v{version}")
 def evaluate_version(cfg: Config, version: int, champion: tuple[int, str]) -> dict[str, Any]:
     _, path = registry.resolve(cfg, version)
-    result = evaluate(cfg.gate, path, champion[1])
+    result = evaluate(cfg.gate, path, champion[1], None, base_model_dir(cfg), helpfulness_cache(cfg))
     registry.tag_version(cfg, version, {f"eval_vs_v{champion[0]}.{k}": f"{v:.6g}" for k, v in result.metrics.items()})
     return {"version": version, "vs": champion[0], "passed": result.passed, "reason": result.reason, **result.metrics}
 
