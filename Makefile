@@ -28,7 +28,12 @@ down:
 status:
 	$(BIN)/clawflow status
 
+# What the tests need beyond Python, installed here so `make test` passes on a fresh machine:
+# headless Chromium (tests/test_browser.py) and the real OpenClaw agent, pinned, in .tools/
+# (tests/test_openclaw_e2e.py). A failed install does not stop the run: those tests fail, saying why.
 test: install
+	-.ci/install-chromium
+	-.ci/install-openclaw
 	$(BIN)/python -m pytest -q
 
 lock: install
@@ -36,4 +41,4 @@ lock: install
 	mv constraints.txt.new constraints.txt
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .tools

@@ -62,14 +62,15 @@ def make_config(tmp_path, tiny_model_dir):
 
 
 @contextlib.contextmanager
-def running_gateway(cfg):
-    """The real app under uvicorn on cfg.serving.port, in a thread; stopped (and sealed) on exit."""
+def running_gateway(cfg, wrap=lambda app: app):
+    """The real app under uvicorn on cfg.serving.port, in a thread; stopped (and sealed) on exit.
+    `wrap(app)` is what uvicorn serves (a test can watch the wire around the real app)."""
     import uvicorn
 
     from clawflow.serving.server import build_app
 
     app = build_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.serving.port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(wrap(app), host="127.0.0.1", port=cfg.serving.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -1,5 +1,5 @@
 """What a user sees after a training run: headless Chromium (Debian's `chromium`, installed by
-.ci/run) finds the train-on-new-feedback run in the Prefect UI and the registered version in the
+`make test` through .ci/install-chromium) finds the train-on-new-feedback run in the Prefect UI and the registered version in the
 MLflow UI. Screenshots are kept in $CLAWFLOW_TEST_ARTIFACTS (default: the test's tmp dir)."""
 
 from __future__ import annotations
