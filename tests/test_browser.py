@@ -1,6 +1,6 @@
-"""What a user sees after a training run: headless Chromium (Debian's `chromium`, installed by
-`make test` through .ci/install-chromium) finds the train-on-new-feedback run in the Prefect UI and the registered version in the
-MLflow UI. Screenshots are kept in $CLAWFLOW_TEST_ARTIFACTS (default: the test's tmp dir)."""
+"""What a user sees after a training run: headless Chromium (Debian's `chromium`, which `make test`
+installs with .ci/install-chromium) finds the train-on-new-feedback run in the Prefect UI and the
+registered version in the MLflow UI. Screenshots are kept in $CLAWFLOW_TEST_ARTIFACTS (default: the test's tmp dir)."""
 
 from __future__ import annotations
 
