@@ -22,10 +22,12 @@ def register(app: typer.Typer, load, config_opt) -> None:
         raise typer.Exit(1)
 
     @connect.command()
-    def openclaw(config_file: Path = typer.Option(None, "--config-file", help="OpenClaw's config "
-                                                  "(default: where OpenClaw looks: $OPENCLAW_CONFIG_PATH, else ~/.openclaw/openclaw.json)"),
-                 context_window: Optional[int] = typer.Option(None, "--context-window", min=1, help="the served "
-                                                              "model's window, when the gateway is not running"),
+    def openclaw(config_file: Optional[Path] = typer.Option(
+                     None, "--config-file",
+                     help="OpenClaw's config (default: where OpenClaw looks: $OPENCLAW_CONFIG_PATH, "
+                          "else ~/.openclaw/openclaw.json)"),
+                 context_window: Optional[int] = typer.Option(
+                     None, "--context-window", min=1, help="the served model's window, when the gateway is not running"),
                  config: Optional[Path] = config_opt) -> None:
         """Add the gateway to OpenClaw as provider `clawflow` and make its model the default.
 

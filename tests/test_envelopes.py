@@ -64,7 +64,8 @@ def test_messages_only_user_text_is_normalized_and_inputs_are_not_mutated():
     assert msgs == before  # reading never changes what was received (the recorded turn)
     assert out[0] is msgs[0] and out[2] is msgs[2] and out[4] is msgs[4]
     assert out[1] == {"role": "user", "content": "What is the capital of France?"}
-    assert out[3]["content"][0]["text"].startswith("No, that's wrong.") and out[3]["content"][1] == msgs[3]["content"][1]
+    assert out[3]["content"][0]["text"].startswith("No, that's wrong.")
+    assert out[3]["content"][1] == msgs[3]["content"][1]
     assert normalize_message({"role": "user", "content": "plain"}) == {"role": "user", "content": "plain"}
 
 

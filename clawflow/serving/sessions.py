@@ -27,9 +27,11 @@ def _canon(msg: dict[str, Any]) -> dict[str, Any]:
     an agent's envelope may change between re-sends, e.g. OpenClaw's runtime line)."""
     calls = msg.get("tool_calls") or []
     content = msg.get("content") or ""
+    if msg.get("role") == "user":
+        content = normalize_text(content)
     return {
         "role": msg.get("role"),
-        "content": (normalize_text(content) if msg.get("role") == "user" and isinstance(content, str) else content).strip(),
+        "content": content.strip(),
         "tool_calls": [[c["function"]["name"], tool_arguments(c["function"].get("arguments"))] for c in calls],
     }
 
