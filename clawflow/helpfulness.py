@@ -91,11 +91,13 @@ def _trigrams(words: list[str]) -> set[tuple[str, ...]]:
 
 
 def near_same(a: str, b: str) -> bool:
-    """Same words, or the same opening (first 8 words), or word-trigram Jaccard >= 0.8."""
+    """Same words; or a shared opening of 6+ words covering 3/4 of the shorter reply (a template
+    with the last word swapped: "The answer to this question is: X"); or word-trigram Jaccard >= 0.8."""
     wa, wb = _norm(a), _norm(b)
     if not wa or not wb:
         return False
-    if wa == wb or (len(wa) >= 8 and wa[:8] == wb[:8]):
+    prefix = next((i for i, (x, y) in enumerate(zip(wa, wb)) if x != y), min(len(wa), len(wb)))
+    if wa == wb or (prefix >= 6 and prefix >= 0.75 * min(len(wa), len(wb))):
         return True
     ta, tb = _trigrams(wa), _trigrams(wb)
     return bool(ta and tb) and len(ta & tb) / len(ta | tb) >= 0.8
