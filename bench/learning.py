@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench/learning.py: error: {exc}", file=sys.stderr)
         return 2
+    import torch
+
+    torch.set_num_threads(a.threads)  # the flow's gate runs in this process
     load0 = os.getloadavg()[0]
     print(f"learning bench: personas {','.join(names)}; config {a.config} {' '.join(a.set)}; "
           f"{a.episodes} conversations/round, one reply per prompt, judge {a.judge}; "

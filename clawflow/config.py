@@ -260,7 +260,7 @@ class HelpfulnessConfig(_Strict):
     # 0.79; answers shuffled onto other questions: median 0.19)
     offtopic_below: float = Field(0.25, ge=-1.0, le=1.0)
     max_offtopic_increase: float = Field(0.1, ge=0.0, le=1.0)  # vs each reference
-    timeout_s: float = Field(180.0, gt=0)  # generation past this rejects the candidate
+    timeout_s: float = Field(300.0, gt=0)  # generation past this rejects the candidate (~10 s on a quiet 2-core CPU)
 
 
 class GateConfig(_Strict):

@@ -132,7 +132,7 @@ def relevance(questions: list[Question], replies: list[str], encoder: Any = None
     return [0.0 if not text.strip() else float(s) for text, s in zip(replies, (q * r).sum(-1).tolist())]
 
 
-def greedy_replies(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, batch_size: int = 16,
+def greedy_replies(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, batch_size: int = 64,
                    deadline: float | None = None) -> list[str]:
     """Greedy replies (chat template, one user message, no system prompt), batched with left
     padding; TimeoutError once `deadline` (time.monotonic()) has passed."""
