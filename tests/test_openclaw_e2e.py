@@ -97,7 +97,8 @@ def test_openclaw_conversation_is_recorded_judged_and_trained(openclaw, long_con
     reader = model_dir(JudgeConfig().embedded.reader, default_home())  # the judge's shared copy
     cfg = make_config(model={"name": "clawflow-tiny-16k", "path": long_context_model},
                       judge={"backend": "embedded", "embedded": {"reader": {"path": reader}}},
-                      gate={"holdout_fraction": 0.0})
+                      gate={"holdout_fraction": 0.0},  # the one judged turn trains, not held out
+                      train={"objective": "combined"})  # RL on the −1 and OPD on its hint: both use the turn
     home = tmp_path / "openclaw-home"
     home.mkdir()
     wire: list[Wire] = []
