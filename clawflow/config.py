@@ -292,6 +292,7 @@ class GateConfig(_Strict):
 class RegistryConfig(_Strict):
     tracking_uri: str | None = None  # None: sqlite:///$CLAWFLOW_HOME/mlflow.db
     experiment: str = "clawflow"
+    cache_versions: int = Field(3, ge=1)  # checkpoints fetched from a tracking server kept locally
 
 
 class ServicesConfig(_Strict):

@@ -17,8 +17,12 @@ class GatewayRefused(RuntimeError):
 def reload_gateway(cfg: Config, version: int, checkpoint: str, timeout_s: float = 300) -> dict[str, Any] | None:
     """Ask the running gateway to serve `version`; None when no gateway is running (it loads the
     champion when it starts). 5xx/timeouts raise httpx errors so callers can retry."""
+    from clawflow.artifacts import is_remote
+
+    # with a tracking server the gateway may be another host: it fetches the version itself
+    body = {"version": version} if is_remote(cfg) else {"path": checkpoint, "version": version}
     try:
-        r = httpx.post(f"{cfg.gateway_url}/admin/reload", json={"path": checkpoint, "version": version},
+        r = httpx.post(f"{cfg.gateway_url}/admin/reload", json=body,
                        headers={"Authorization": f"Bearer {cfg.serving.admin_key}"}, timeout=timeout_s)
     except httpx.ConnectError:
         return None

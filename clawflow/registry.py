@@ -1,9 +1,11 @@
 """MLflow registry: one run per training, a model version per checkpoint, aliases `champion`/`previous`.
 
-Checkpoints are not copied into MLflow's artifact store: a version's `source` is the checkpoint
-directory under `$CLAWFLOW_HOME/checkpoints/` (a 540 MB model stored once, not twice). The run
-logs the small files (metrics JSON, config) as artifacts. With a remote tracking server and
-shared storage the same `source` works; object storage is a later step.
+With the default local store, checkpoints are not copied into MLflow's artifact store: a
+version's `source` is the checkpoint directory under `$CLAWFLOW_HOME/checkpoints/` (a 540 MB model
+stored once, not twice). With a tracking server (http/https) the experiment's artifact location
+is the server's, and a checkpoint is logged as its run's artifacts with a checksum manifest
+(clawflow/artifacts.py): any host with the tracking URI fetches, verifies and caches it
+(`checkpoint_dir`).
 
 The base model is registered too (`ensure_base`, at first start): version 1 tagged `base=true`
 and `champion` while nothing was trained, so `rollback` can always return to it.
@@ -17,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from clawflow import artifacts
 from clawflow.config import Config
 
 CHAMPION, PREVIOUS = "champion", "previous"
@@ -36,6 +39,8 @@ def experiment_id(cfg: Config) -> str:
     exp = client.get_experiment_by_name(cfg.registry.experiment)
     if exp is not None:
         return exp.experiment_id
+    if artifacts.is_remote(cfg):  # the server's artifact root, reachable by every host
+        return client.create_experiment(cfg.registry.experiment)
     cfg.artifact_root.mkdir(parents=True, exist_ok=True)
     return client.create_experiment(cfg.registry.experiment, artifact_location=cfg.artifact_root.as_uri())
 
@@ -81,8 +86,28 @@ def register_checkpoint(cfg: Config, run_id: str, checkpoint: Path, tags: dict[s
         client.get_registered_model(name)
     except MlflowException:
         client.create_registered_model(name, description="clawflow policy checkpoints")
-    mv = client.create_model_version(name, source=str(checkpoint), run_id=run_id, tags=tags)
+    source = str(checkpoint)
+    if artifacts.is_remote(cfg):
+        source, sha = artifacts.upload(client, run_id, Path(checkpoint))
+        tags = {**tags, artifacts.TAG: sha}
+    mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     return int(mv.version)
+
+
+def checkpoint_dir(cfg: Config, version: int, source: str, trainer_state: bool = False) -> str:
+    """A local directory with `version`'s checkpoint: `source` itself when it is a local path (the
+    default), else the verified download in $CLAWFLOW_HOME/registry-cache (ChecksumError if bad).
+    `trainer_state`: also the optimizer state (the trainer continues it; serving never needs it)."""
+    if not artifacts.is_artifact_uri(source):
+        return source
+    mv = _client(cfg).get_model_version(cfg.model.name, str(version))
+    return str(artifacts.fetch(cfg, version, source, (mv.tags or {}).get(artifacts.TAG), trainer_state))
+
+
+def resolve_local(cfg: Config, ref: int | str, trainer_state: bool = False) -> tuple[int, str]:
+    """`resolve`, with the checkpoint made local (see `checkpoint_dir`)."""
+    version, source = resolve(cfg, ref)
+    return version, checkpoint_dir(cfg, version, source, trainer_state)
 
 
 @contextmanager

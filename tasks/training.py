@@ -69,7 +69,8 @@ def release_unjudged(cfg: Config) -> int:
 @task(name="serving-policy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def current_policy(cfg: Config) -> tuple[int, str]:
     """The champion (version, checkpoint) to train from, or the base model as version 0."""
-    return registry.champion(cfg) or (0, base_model_dir(cfg))
+    found = registry.champion(cfg)  # fetched (with its optimizer state) when the registry is a server
+    return (found[0], registry.checkpoint_dir(cfg, *found, trainer_state=True)) if found else (0, base_model_dir(cfg))
 
 
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

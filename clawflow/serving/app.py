@@ -191,6 +191,9 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
                 version, path = await asyncio.to_thread(resolve, body.version)
             except LookupError as exc:
                 return _error(404, str(exc), code="version_not_found")
+            except ReloadError as exc:  # fetched from the registry but refused (checksum)
+                log.warning("reload refused, still serving v%s: %s", gw.engine.policy_version, exc)
+                return _error(400, f"{exc}; still serving version {gw.engine.policy_version}", code="reload_failed")
         else:
             return _error(400, "give `path` (a checkpoint directory) or `version` (a registry version or alias)")
         try:

@@ -25,6 +25,7 @@ def initial_policy(cfg: Config) -> tuple[int, str]:
         return 0, base_model_dir(cfg)  # no registry yet: skip MLflow's table creation (seconds)
     try:
         found = registry.champion(cfg)
+        found = (found[0], registry.checkpoint_dir(cfg, *found)) if found else None  # fetched if remote
     except Exception as exc:  # a registry that cannot be read must not keep users from being served
         log.warning("registry unavailable (%s); serving the base model", exc)
         found = None
@@ -52,7 +53,20 @@ def build_app(cfg: Config):
     writer, sealer = open_store(cfg.home, cfg.store)
     gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
     log.info("serving %s v%s from %s", cfg.model.name, version, path)
-    return create_app(gw, resolve=lambda ref: registry.resolve(cfg, ref))
+    return create_app(gw, resolve=lambda ref: _resolve_local(cfg, ref))
+
+
+def _resolve_local(cfg: Config, ref: int | str) -> tuple[int, str]:
+    """A registry version as a local directory; a download that fails its checksum is a refused
+    reload (the old weights keep serving)."""
+    from clawflow import registry
+    from clawflow.artifacts import ChecksumError
+    from clawflow.serving.engine import ReloadError
+
+    try:
+        return registry.resolve_local(cfg, ref)
+    except ChecksumError as exc:
+        raise ReloadError(str(exc)) from exc
 
 
 def serve(cfg: Config, host: str | None = None, port: int | None = None) -> None:
