@@ -60,7 +60,8 @@ def rollback_champion(cfg: Config, target: int | str | None) -> dict[str, Any]:
       task_run_name="evaluate-v{version}")
 def evaluate_version(cfg: Config, version: int, champion: tuple[int, str]) -> dict[str, Any]:
     _, path = registry.resolve_local(cfg, version)
-    result = evaluate(cfg.gate, path, registry.checkpoint_dir(cfg, *champion), None, base_model_dir(cfg), helpfulness_cache(cfg))
+    champion_dir = registry.checkpoint_dir(cfg, *champion)  # fetched when the registry is a server
+    result = evaluate(cfg.gate, path, champion_dir, None, base_model_dir(cfg), helpfulness_cache(cfg))
     registry.tag_version(cfg, version, {f"eval_vs_v{champion[0]}.{k}": f"{v:.6g}" for k, v in result.metrics.items()})
     return {"version": version, "vs": champion[0], "passed": result.passed, "reason": result.reason, **result.metrics}
 
