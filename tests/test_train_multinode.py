@@ -101,3 +101,17 @@ def test_rendezvous_that_cannot_form_fails_with_the_reason(base, batch, tmp_path
     assert err.value.reason.startswith("training failed (exit")
     assert f"rendezvous 'lonely' at {endpoint} did not form: 2 nodes expected within 3 s" in err.value.reason
     assert "\n" not in err.value.reason and took < 60 and not out.exists()
+
+
+def test_training_task_fails_on_a_rendezvous_so_prefect_retries_it(base, batch, tmp_path, monkeypatch):  # noqa: F811
+    """The flow's `train-policy` task (its body, no Prefect server): the rendezvous failure comes
+    out as a TrainingError with the reason (not the "nothing to train" result), and the task
+    carries a retry."""
+    from tasks.training import train_policy
+
+    monkeypatch.setenv("CLAWFLOW_HOME", str(tmp_path / "home"))
+    _, cfg = node_config(tmp_path, 0, rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="task", rdzv_timeout_s=3)
+    with pytest.raises(TrainingError, match="rendezvous 'task' at .* did not form"):
+        train_policy.fn(cfg, "run-rdzv", str(base), batch[1])
+    assert train_policy.retries >= 1
+    assert not (cfg.home / "checkpoints" / "run-rdzv").exists()
