@@ -96,7 +96,13 @@ def overrides(pairs: list[str]) -> dict:
         node = out
         for part in path:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
+            try:
+                parsed = float(parsed)
+            except ValueError:
+                pass
+        node[leaf] = parsed
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from clawflow.config import GateConfig
+from clawflow.config import GateConfig, HelpfulnessConfig
 from clawflow.gate import evaluate, judged_margins, judged_verdict
 from clawflow.holdout import held_out_turns, in_holdout, split_holdout
 from clawflow.judge.store import JudgmentStore
@@ -133,7 +133,8 @@ def unlearn(turns: list[dict], steps: int = 5):
 def test_gate_rejects_a_candidate_worse_on_held_out_positives(judged_store, tiny_model_dir, tmp_path):
     catalog, _ = judged_store
     held = held_out_turns(catalog, per_sign=4, exclude=[], fraction=0.0)
-    gate = GateConfig(probes=["Say hello."], max_new_tokens=4, max_kl=50.0, max_nll_increase=50.0, judged_margin=0.1)
+    gate = GateConfig(probes=["Say hello."], max_new_tokens=4, max_kl=50.0, max_nll_increase=50.0, judged_margin=0.1,
+                      helpfulness=HelpfulnessConfig(enabled=False))  # random weights answer nothing
 
     nudged = variant(tiny_model_dir, tmp_path / "nudged",
                      lambda m: [p.data.add_(1e-4 * torch.randn_like(p)) for p in m.parameters()])
