@@ -244,23 +244,29 @@ class TrainConfig(_Strict):
         return self
 
 
-class HelpfulnessConfig(_Strict):
+class HelpfulnessGateConfig(_Strict):
     """The gate's helpfulness check (clawflow/helpfulness.py): greedy answers to held-out general
-    questions must still state their key facts, and must not degenerate."""
+    questions must still state their key facts (no lower than each of `compare_to` by more than
+    `margin`), and must not degenerate. Defaults measured on SmolLM2-135M-Instruct (README)."""
 
     enabled: bool = True
     questions: Path | None = None  # default configs/eval/helpfulness.yaml
-    max_new_tokens: int = Field(48, ge=1)
+    # 32 tokens: SmolLM2-135M states every fact within its first 25 tokens (most within 15)
+    max_new_tokens: int = Field(32, ge=1)
     margin: float = Field(0.05, ge=0.0)  # facts rate may fall this much below the champion's / base's
     compare_to: list[Literal["champion", "base"]] = Field(default_factory=lambda: ["champion", "base"])
     max_duplicate_share: float = Field(0.1, ge=0.0, le=1.0)  # answers repeating another question's answer
     max_repetitive_share: float = Field(0.1, ge=0.0, le=1.0)  # answers that loop
     max_empty_share: float = Field(0.05, ge=0.0, le=1.0)
-    # MiniLM cosine(question, answer) under this: off-topic (SmolLM2 base answers: 0.36 and up, median
-    # 0.79; answers shuffled onto other questions: median 0.19)
-    offtopic_below: float = Field(0.25, ge=-1.0, le=1.0)
+    # MiniLM cosine(question, answer) under this: off-topic (clawflow/helpfulness.py OFFTOPIC_THRESHOLD)
+    offtopic_below: float = Field(0.3, ge=-1.0, le=1.0)
     max_offtopic_increase: float = Field(0.1, ge=0.0, le=1.0)  # vs each reference
-    timeout_s: float = Field(300.0, gt=0)  # generation past this rejects the candidate (~10 s on a quiet 2-core CPU)
+    # generation past this (per model measured) rejects the candidate; ~12 s on 2 quiet cores
+    timeout_s: float = Field(120.0, gt=0)
+    threads: int | None = None  # torch threads while generating (None: the process's setting)
+
+
+HelpfulnessConfig = HelpfulnessGateConfig  # the name tests and the bench imported first
 
 
 class GateConfig(_Strict):
@@ -279,7 +285,7 @@ class GateConfig(_Strict):
     judged_margin: float = Field(0.1, ge=0.0)
     judged_min_turns: int = Field(3, ge=1)  # fewer held-out turns of a sign: that sign is not checked
     max_probe_tokens: int = Field(1024, ge=2)  # prompt + reply tokens per judged turn (prompt cut from the left)
-    helpfulness: HelpfulnessConfig = Field(default_factory=HelpfulnessConfig)
+    helpfulness: HelpfulnessGateConfig = Field(default_factory=HelpfulnessGateConfig)
     probes: list[str] = Field(default_factory=lambda: [
         "What is the capital of France?",
         "Write one sentence about the ocean.",

@@ -25,7 +25,6 @@ are scored by likelihood of their recorded reply, which needs no judge at gate t
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clawflow.config import GateConfig, HelpfulnessConfig
+from clawflow.config import GateConfig, HelpfulnessGateConfig
 
 Step = Callable[[], None]
 
@@ -85,12 +84,11 @@ def judged_verdict(m: dict[str, float], margin: float, min_turns: int = 1) -> st
 
 
 def load_pair(champion_dir: str, candidate_dir: str):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(tokenizer, champion, candidate); a LoRA adapter directory is loaded onto its base, merged."""
+    from clawflow.helpfulness import load_model
 
-    tok = AutoTokenizer.from_pretrained(champion_dir)
-    champ = AutoModelForCausalLM.from_pretrained(champion_dir, dtype=torch.float32).eval()
-    cand = AutoModelForCausalLM.from_pretrained(candidate_dir, dtype=torch.float32).eval()
+    champ, tok = load_model(champion_dir)
+    cand, _ = load_model(candidate_dir)
     return tok, champ, cand
 
 
@@ -146,40 +144,34 @@ def judged_probe(tok, champ, cand, turns: list[dict[str, Any]], max_tokens: int,
                           [int(t["score"]) for t in turns])
 
 
-def helpfulness_check(h: HelpfulnessConfig, tok, champ, cand, champion_dir: str, base_dir: str | None,
-                      cache_dir: Path | None) -> tuple[str | None, dict[str, float]]:
-    """(why the candidate answers worse or degenerates, or None; its figures and the references')."""
+def helpfulness_check(h: HelpfulnessGateConfig, tok, champ, cand, candidate_dir: str, champion_dir: str,
+                      base_dir: str | None, cache_dir: Path | None) -> tuple[str | None, dict[str, float]]:
+    """(why the candidate answers worse or degenerates, or None; its figures and the references').
+    Each model measured gets the full `timeout_s`; the references come from `cache_dir` when there."""
     from clawflow import helpfulness as H
     from clawflow.judge.minilm import MiniLM
 
     questions = H.load_questions(h.questions)
-    settings = json.dumps([H.file_digest(h.questions), h.max_new_tokens, h.offtopic_below])
     encoder = MiniLM(threads=1)
 
-    def run(model) -> H.Helpfulness:  # each measurement gets the full time limit
-        return H.measure(model, tok, questions, h, time.monotonic() + h.timeout_s, encoder)
+    def run(model_dir: str, model=None) -> H.Helpfulness:
+        return H.measure(model_dir, questions, h.max_new_tokens, time.monotonic() + h.timeout_s, h.threads,
+                         cache_dir=cache_dir, offtopic_threshold=h.offtopic_below, model=model,
+                         tokenizer=tok if model is not None else None, encoder=encoder)
 
-    def reference(model_dir: str, load) -> H.Helpfulness:
-        return H.cached(cache_dir, model_dir, settings, lambda: run(load())) if cache_dir else run(load())
-
-    candidate = run(cand)
+    candidate = run(candidate_dir, cand)
     refs: dict[str, H.Helpfulness] = {}
     if "champion" in h.compare_to:
-        refs["champion"] = reference(champion_dir, lambda: champ)
+        refs["champion"] = run(champion_dir, champ)
     if "base" in h.compare_to and base_dir:
-        same = Path(base_dir).resolve() == Path(champion_dir).resolve() and "champion" in refs
-        refs["base"] = refs["champion"] if same else reference(base_dir, lambda: _load(base_dir))
+        same = "champion" in refs and Path(base_dir).resolve() == Path(champion_dir).resolve()
+        refs["base"] = refs["champion"] if same else run(base_dir)  # loaded only when not cached
     m = candidate.as_metrics("help_")
     for name, ref in refs.items():
         m[f"help_facts_rate_{name}"] = ref.facts_rate
+        m[f"help_duplicate_share_{name}"] = ref.duplicate_share
+        m[f"help_offtopic_share_{name}"] = ref.offtopic_share
     return H.verdict(candidate, refs, h), m
-
-
-def _load(model_dir: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
@@ -209,7 +201,8 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
     if gate.helpfulness.enabled:
         t0 = time.monotonic()
         try:
-            reason, figures = helpfulness_check(gate.helpfulness, tok, champ, cand, champion_dir, base_dir, cache_dir)
+            reason, figures = helpfulness_check(gate.helpfulness, tok, champ, cand, candidate_dir, champion_dir,
+                                                 base_dir, cache_dir)
         except Exception as exc:  # noqa: BLE001 - out of memory, time limit, a bad file: never promote on it
             return GateResult(False, f"helpfulness check failed ({type(exc).__name__}: {exc})", m)
         m.update(figures)
