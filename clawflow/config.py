@@ -266,8 +266,6 @@ class HelpfulnessGateConfig(_Strict):
     threads: int | None = None  # torch threads while generating (None: the process's setting)
 
 
-HelpfulnessConfig = HelpfulnessGateConfig  # the name tests and the bench imported first
-
 
 class GateConfig(_Strict):
     """Eval gate before promotion (clawflow/gate.py)."""

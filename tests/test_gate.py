@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from clawflow.config import GateConfig, HelpfulnessConfig
+from clawflow.config import GateConfig, HelpfulnessGateConfig
 from clawflow.gate import evaluate, nonfinite_tensors
 
 
@@ -27,7 +27,7 @@ def variant(src: str, dst, fn) -> str:
 def gate():
     # random weights answer nothing: tests/test_helpfulness.py covers that check
     return GateConfig(probes=["What is the capital of France?", "Say hello."], max_new_tokens=8,
-                      helpfulness=HelpfulnessConfig(enabled=False))
+                      helpfulness=HelpfulnessGateConfig(enabled=False))
 
 
 def test_normal_update_passes(tiny_model_dir, tmp_path, gate):

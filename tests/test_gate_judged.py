@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from clawflow.config import GateConfig, HelpfulnessConfig
+from clawflow.config import GateConfig, HelpfulnessGateConfig
 from clawflow.gate import evaluate, judged_margins, judged_verdict
 from clawflow.holdout import held_out_turns, in_holdout, split_holdout
 from clawflow.judge.store import JudgmentStore
@@ -134,7 +134,7 @@ def test_gate_rejects_a_candidate_worse_on_held_out_positives(judged_store, tiny
     catalog, _ = judged_store
     held = held_out_turns(catalog, per_sign=4, exclude=[], fraction=0.0)
     gate = GateConfig(probes=["Say hello."], max_new_tokens=4, max_kl=50.0, max_nll_increase=50.0, judged_margin=0.1,
-                      helpfulness=HelpfulnessConfig(enabled=False))  # random weights answer nothing
+                      helpfulness=HelpfulnessGateConfig(enabled=False))  # random weights answer nothing
 
     nudged = variant(tiny_model_dir, tmp_path / "nudged",
                      lambda m: [p.data.add_(1e-4 * torch.randn_like(p)) for p in m.parameters()])

@@ -101,6 +101,18 @@ def trained(base, batch, tmp_path_factory) -> tuple[Path, dict]:
     return out, metrics
 
 
+def assert_same_as_one_process(trained, metrics: dict, out: Path) -> None:
+    """A 2-rank run (one node or two) took the same steps, losses and weights as 1 process."""
+    assert metrics["world_size"] == 2 and metrics["steps"] == trained[1]["steps"]
+    for a, b in zip(metrics["per_step"], trained[1]["per_step"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["n_tokens"] == b["n_tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    one, two = weights(trained[0]), weights(out)
+    assert one.keys() == two.keys()
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-4, worst
+
+
 def test_training_moves_logprobs_the_way_of_the_reward(base, batch, trained):
     rows = batch[1]
     out, metrics = trained
@@ -144,14 +156,7 @@ def test_two_ranks_match_one_process(base, batch, trained, home):
     (it recomputes, it must not change the math)."""
     out, metrics, seconds = train(home, base, batch[0], "v2", nproc=2, activation_checkpointing=True)
     print(f"run_training (nproc=2) took {seconds:.1f} s")
-    assert metrics["world_size"] == 2 and metrics["steps"] == trained[1]["steps"]
-    for a, b in zip(metrics["per_step"], trained[1]["per_step"]):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["n_tokens"] == b["n_tokens"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    one, two = weights(trained[0]), weights(out)
-    assert one.keys() == two.keys()
-    worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    assert worst < 1e-4, worst
+    assert_same_as_one_process(trained, metrics, out)
 
 
 def test_interrupted_run_resumes_to_the_same_weights(base, batch, trained, home):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import free_port
-from test_train import base, batch, trained, weights  # noqa: F401  (fixtures: the 1-process run)
+from test_train import assert_same_as_one_process, base, batch, trained  # noqa: F401  (fixtures: the 1-process run)
 
 from clawflow.config import REPO_ROOT, Config, load_config
 from clawflow.train.launch import TrainingError, run_training, torchrun_command
@@ -75,14 +75,7 @@ def test_two_nodes_match_one_process(base, batch, trained, tmp_path, monkeypatch
     assert results[1] == {"node_rank": 1}, results[1]
     metrics = results[0]
     assert isinstance(metrics, dict), metrics
-    assert metrics["world_size"] == 2 and metrics["steps"] == trained[1]["steps"]
-    for a, b in zip(metrics["per_step"], trained[1]["per_step"]):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["n_tokens"] == b["n_tokens"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    one, two = weights(trained[0]), weights(out)
-    assert one.keys() == two.keys()
-    worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    assert worst < 1e-4, worst
+    assert_same_as_one_process(trained, metrics, out)
     assert (out.parent / "two-nodes.log").is_file() and (out.parent / "two-nodes.node1.log").is_file()
 
 
