@@ -82,6 +82,11 @@ class ServingConfig(_Strict):
     # K,V), so 8192 tokens ≈ 377 MB; half that in bfloat16.
     prefix_cache_tokens: int = Field(8192, ge=0)
     prefix_cache_min_tokens: int = Field(16, ge=1)  # a shorter shared prefix is prefilled again (not worth it)
+    # re-warm on reload: before a swap, the new weights prefill the hottest cached prompts (up to this
+    # many tokens, and rewarm_max_s) while the old ones keep serving, so the next turn is not a cold
+    # prefill; 0 swaps cold. 8192 covers OpenClaw's ~7.7k-token agent prompt (~16 s on 2 CPU cores).
+    rewarm_tokens: int = Field(8192, ge=0)
+    rewarm_max_s: float = Field(60.0, gt=0)  # the most a reload waits for it; it keeps what it has
 
 
 class StoreConfig(_Strict):

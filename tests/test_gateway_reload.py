@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from datetime import UTC, datetime
 
 import httpx
@@ -135,3 +136,49 @@ def test_reload_swaps_weights_and_in_flight_request_keeps_its_version(gateway, t
     assert raw["data"][0]["policy_version"] == 7
     assert metrics(cfg)["clawflow_policy_version"] == 7
     assert metrics(cfg)["clawflow_reloads_total"] == 1
+
+
+def test_reload_rewarms_while_concurrent_requests_all_succeed(gateway, perturbed_model_dir):
+    """Clients keep sending during the whole reload (load, re-warm, swap): every request succeeds, on
+    the old or the new version; the reload re-warmed the hot system prompt, so the first request
+    after it reuses the new version's KV."""
+    cfg, app = gateway
+    prefix = app.state.gateway.engine.batcher.prefix
+    system = "You answer questions about the shop's opening hours, in one sentence, politely. " * 4
+    client = client_for(cfg)
+
+    def ask(q: str, tokens: int = 3):
+        return client.chat.completions.create(model=MODEL, max_tokens=tokens, seed=1, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+
+    ask("Open on Sunday?")
+    ask("Open on Monday?")  # reuses the system prompt: the hottest entry
+    stop, results, errors = threading.Event(), [], []
+
+    def client_loop(i: int):
+        n = 0
+        while not stop.is_set():
+            try:
+                results.append(ask(f"Client {i}, question {n}?", tokens=2 + i % 3).system_fingerprint)
+            except BaseException as exc:
+                errors.append(exc)
+            n += 1
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    r = httpx.post(f"{cfg.gateway_url}/admin/reload", headers=admin(cfg),
+                   json={"path": perturbed_model_dir, "version": 2}, timeout=120)
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    assert r.status_code == 200, r.text
+    assert r.json()["rewarm"]["ok"] and r.json()["rewarm"]["prompts"] >= 1, r.json()
+    assert not errors, errors[:3]
+    assert set(results) <= {"policy-v0", "policy-v2"} and "policy-v2" in results
+
+    hits, reused = prefix.hits, prefix.reused_tokens
+    assert ask("Open on a holiday?").system_fingerprint == "policy-v2"
+    assert prefix.hits == hits + 1 and prefix.reused_tokens - reused >= 60  # the system prompt, warm
+    assert prefix.versions() == {2}

@@ -166,7 +166,8 @@ def test_hits_joining_a_running_batch_match_requests_alone(engines, tiny_model_d
 
 
 def test_a_reload_never_reuses_the_old_models_kv(tiny_model_dir, perturbed_model_dir):
-    engine = TorchEngine(tiny_model_dir, max_batch=2, max_queue=2, prefix_cache_min_tokens=8)
+    """Cold swaps (re-warm off): tests/test_rewarm.py has the warm ones."""
+    engine = TorchEngine(tiny_model_dir, max_batch=2, max_queue=2, prefix_cache_min_tokens=8, rewarm_tokens=0)
     try:
         prefix = engine.batcher.prefix
         p = engine.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Atlases?"}])

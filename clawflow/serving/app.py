@@ -203,7 +203,10 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             return _error(400, f"{exc}; still serving version {gw.engine.policy_version}", code="reload_failed")
         gw.counters.reloads += 1
         log.info("reloaded v%s from %s in %.1fs", version, path, seconds)
-        return {"version": version, "path": path, "seconds": round(seconds, 3)}
+        answer = {"version": version, "path": path, "seconds": round(seconds, 3)}
+        if (rewarm := getattr(gw.engine, "last_rewarm", None)) is not None:  # torch engine: what it re-warmed
+            answer["rewarm"] = rewarm
+        return answer
 
     @app.post("/admin/seal", dependencies=[Depends(require_admin)])
     async def seal():

@@ -19,7 +19,10 @@ So this is a compact left-padded decoder over a `DynamicCache`:
 - a bounded waiting queue: `submit` raises `QueueFull` instead of queueing without limit;
 - a prefix KV cache (clawflow/serving/prefix_cache.py): a prompt that starts with tokens an earlier
   prompt prefilled on the same policy prefills only its new tail; a request with no hit runs exactly
-  as without the cache. Entries of a policy that no longer serves are dropped.
+  as without the cache. Entries of a policy that no longer serves are dropped;
+- re-warm on reload (clawflow/serving/rewarm.py): before a swap, the engine has this thread prefill
+  the hottest cached prompts with the new weights, a chunk per loop iteration between the old
+  version's work; the staged KV enters the cache when the new policy's first request arrives.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 from clawflow.serving.engine import Generation, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
+from clawflow.serving.rewarm import BUSY_CHUNK, IDLE_CHUNK, RewarmJob, RewarmResult
 
 if TYPE_CHECKING:
     from clawflow.serving.engine import TorchEngine, _Policy
@@ -80,6 +84,8 @@ class Batcher:
         # the policy whose KV the prefix cache holds (only the serving policy prefills); a weak
         # reference, so a replaced model is not kept alive by it
         self._prefix_owner: tuple[weakref.ref, int] | None = None
+        self._rewarm: RewarmJob | None = None  # at most one; runs on the decode thread
+        self._staged: tuple[weakref.ref, list] | None = None  # a re-warmed policy's KV, installed on its first use
         self._waiting: deque[_Row] = deque()
         self._batches: dict[int, _Batch] = {}
         self._running = 0  # admitted and not finished (prefilling or in a batch)
@@ -112,13 +118,59 @@ class Batcher:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout=5)
+        if (job := self._rewarm) is not None:
+            job.fail(RuntimeError("engine closed"))
+
+    # -- re-warm on reload -------------------------------------------------------------------
+    def rewarm(self, policy, budget_tokens: int, max_s: float) -> Future:
+        """Prefill the hottest cached prompts on `policy` (not serving yet), at most `budget_tokens`
+        tokens and `max_s` seconds; a Future of a `RewarmResult` (or of the error that stopped it)."""
+        if self.prefix is None or budget_tokens <= 0:
+            fut: Future = Future()
+            fut.set_result(RewarmResult([], 0, 0.0, True))
+            return fut
+        import time
+
+        job = RewarmJob(policy, budget_tokens, time.monotonic() + max_s, self.prefix.max_tokens,
+                        self.prefix.min_tokens)
+        with self._cv:
+            if self._rewarm is not None:  # an earlier one its reload gave up on
+                self._rewarm.cancelled = True
+            self._rewarm = job  # the loop picks it up (the earlier one then ends without a waiter)
+            self._cv.notify()
+        return job.future
+
+    def cancel_rewarm(self) -> None:
+        if (job := self._rewarm) is not None:
+            job.cancelled = True
+
+    def adopt(self, policy, entries: list) -> None:
+        """`policy`'s re-warmed KV (hottest first): it replaces the old version's entries when
+        `policy` prefills its first request. Call before `policy` starts serving."""
+        self._staged = (weakref.ref(policy), entries) if entries else None
+
+    def _rewarm_step(self) -> None:
+        job = self._rewarm
+        try:
+            if not job.started:  # which prompts are hot is read here: the cache is this thread's
+                owner = self._prefix_owner
+                job.begin(self.prefix.hottest(owner[1]) if owner is not None else [])
+            done = job.step(BUSY_CHUNK if self._batches or self._waiting else IDLE_CHUNK)
+        except Exception as exc:  # out of memory, anything: the reload goes ahead cold
+            log.warning("re-warm of v%s failed: %s: %s", job.policy.version, exc.__class__.__name__, exc)
+            job.fail(exc)
+            done = True
+        if done:
+            with self._cv:
+                if self._rewarm is job:
+                    self._rewarm = None
 
     # -- the decode loop ---------------------------------------------------------------------
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stop and not self._waiting and not self._batches:
+                    while not self._stop and not self._waiting and not self._batches and self._rewarm is None:
                         self._cv.wait()
                     if self._stop:
                         return
@@ -138,6 +190,8 @@ class Batcher:
                         del self._batches[version]  # an old version's model is freed with its last request
                         if self.prefix is not None and version != self.engine._policy.version:
                             self.prefix.drop_version(version)  # and so is its KV
+                if self._rewarm is not None:  # one chunk per iteration: the old version keeps serving
+                    self._rewarm_step()
 
     def _guard(self, rows: list[_Row], fn) -> None:
         try:
@@ -191,8 +245,13 @@ class Batcher:
         if self.prefix is None:
             return 0, None
         owner = self._prefix_owner
-        if owner is not None and owner[0]() is not policy:  # a reload (even to the same version number)
-            self.prefix.drop_version(owner[1])
+        if owner is None or owner[0]() is not policy:  # a reload (even to the same version number)
+            if owner is not None:
+                self.prefix.drop_version(owner[1])
+            staged, self._staged = self._staged, None
+            if staged is not None and staged[0]() is policy:  # KV this very model re-warmed
+                for tokens, layers in reversed(staged[1]):  # hottest last: most recently used
+                    self.prefix.store(policy.version, list(tokens), layers)
         self._prefix_owner = (weakref.ref(policy), policy.version)
         return self.prefix.lookup(policy.version, prompt_ids)
 

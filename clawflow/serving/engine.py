@@ -8,7 +8,9 @@ model object and finishes on N, new requests get N+1, and a broken checkpoint ne
 serving one. A LoRA adapter directory (`adapter_config.json`) is served on top of its base
 model's weights, loaded once and shared by every adapter version: a reload copies only the
 adapter. Decoding is continuous batching on one thread (clawflow/serving/batcher.py): requests
-join and leave between decode steps, one batch per policy version.
+join and leave between decode steps, one batch per policy version. Before a swap the new weights
+prefill the hottest cached prompts (`rewarm_tokens`, clawflow/serving/rewarm.py) while the old ones
+keep serving, so the swap brings a warm prefix cache; a re-warm that fails only makes the swap cold.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ TokenCallback = Callable[[int, float, str, "list[tuple[int, float]] | None"], bo
 class TorchEngine:
     def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
-                 prefix_cache_min_tokens: int = 16):
+                 prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0):
         from transformers import AutoTokenizer
 
         if threads:
@@ -74,6 +76,8 @@ class TorchEngine:
         self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
         self._policy = _Policy(self._load(model_path), version, str(model_path))
         self._reload_lock = threading.Lock()
+        self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
+        self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
         self.eos_ids = self._eos_ids()
         from clawflow.serving.batcher import Batcher
 
@@ -134,8 +138,29 @@ class TorchEngine:
                 raise ReloadError(f"cannot load checkpoint {path}: {exc.__class__.__name__}: {exc}") from exc
             if model.config.vocab_size != self._policy.model.config.vocab_size:
                 raise ReloadError(f"checkpoint {path} has another vocabulary size")
-            self._policy = _Policy(model, version, str(path))
+            policy = _Policy(model, version, str(path))
+            self.last_rewarm = self._rewarm(policy)
+            self._policy = policy
         return time.perf_counter() - t0
+
+    def _rewarm(self, policy: _Policy) -> dict | None:
+        """Prefill the hottest cached prompts on `policy` and stage their KV for the swap; never raises."""
+        if self.rewarm_tokens <= 0 or self.batcher.prefix is None:
+            return None
+        t0 = time.perf_counter()
+        fut = self.batcher.rewarm(policy, self.rewarm_tokens, self.rewarm_max_s)
+        try:  # the job stops itself at rewarm_max_s; the margin covers a request prefill it waits behind
+            res = fut.result(timeout=self.rewarm_max_s + 60)
+        except Exception as exc:  # out of memory, a time-out, anything: swap cold
+            self.batcher.cancel_rewarm()  # a time-out: stop it at its next chunk, keep nothing
+            log.warning("re-warm of v%s failed after %.1fs, swapping cold: %s: %s", policy.version,
+                        time.perf_counter() - t0, exc.__class__.__name__, exc)
+            return {"ok": False, "error": f"{exc.__class__.__name__}: {exc}", "seconds": round(time.perf_counter() - t0, 3)}
+        self.batcher.adopt(policy, res.entries)
+        info = {"ok": True, "prompts": len(res.entries), "tokens": sum(len(t) for t, _ in res.entries),
+                "prefilled": res.prefilled, "complete": res.complete, "seconds": round(time.perf_counter() - t0, 3)}
+        log.info("re-warmed v%s: %s", policy.version, info)
+        return info
 
     # -- tokens ----------------------------------------------------------------------------
     def _eos_ids(self) -> set[int]:

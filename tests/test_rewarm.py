@@ -1,0 +1,165 @@
+"""Re-warm on reload (clawflow/serving/rewarm.py): the hottest cached prompts are prefilled with the
+new weights before the swap, so the first request after a reload is a prefix-cache hit on the new
+version, with the KV a fresh prefill of the new weights gives; a failing or late re-warm swaps cold;
+entries never cross versions; prompts longer than the cache are served uncached."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from clawflow.serving import rewarm as rewarm_mod
+from clawflow.serving.engine import SamplingParams, TorchEngine
+from clawflow.serving.prefix_cache import PrefixCache
+from _gateway_helpers import close, hf_model, logprobs_under
+from test_prefix_cache import SYSTEM, kv
+
+
+def greedy(n: int = 4) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def chat(engine, question: str, system: str = SYSTEM) -> list[int]:
+    return engine.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    e = TorchEngine(tiny_model_dir, max_batch=4, max_queue=4, prefix_cache_min_tokens=8)
+    yield e
+    e.close()
+
+
+# -- the cache's heat ----------------------------------------------------------------------------
+def test_hottest_ranks_by_reuse_then_recency_and_a_next_turn_inherits_heat():
+    c = PrefixCache(max_tokens=100, min_tokens=1)
+    c.store(0, [1, 1, 1], kv([1, 1, 1]))
+    c.store(0, [2, 2, 2], kv([2, 2, 2]))
+    c.store(0, [3, 3, 3], kv([3, 3, 3]))
+    c.store(1, [4, 4, 4], kv([4, 4, 4]))
+    for _ in range(2):
+        c.lookup(0, [1, 1, 1, 9])
+    assert c.hottest(0) == [(1, 1, 1), (3, 3, 3), (2, 2, 2)]  # reused twice, then the most recent
+    c.store(0, [2, 2, 2, 5], kv([2, 2, 2, 5]))  # the next turn of chat 2 supersedes its entry
+    c.lookup(0, [2, 2, 2, 5, 6])
+    c.lookup(0, [2, 2, 2, 5, 6])
+    c.lookup(0, [2, 2, 2, 5, 6])
+    assert c.hottest(0)[0] == (2, 2, 2, 5) and c.hottest(1) == [(4, 4, 4)]
+    assert [t for t, _ in c.entries(1)] == [(4, 4, 4)]
+
+
+def test_kv_that_does_not_cover_its_tokens_is_never_stored_or_served():
+    c = PrefixCache(max_tokens=100, min_tokens=1)
+    with pytest.raises(ValueError):
+        c.store(0, [1, 2, 3, 4], kv([1, 2, 3]))
+    c.store(0, [1, 2, 3, 4], kv([1, 2, 3, 4]))
+    key = next(iter(c._entries))
+    c._entries[key] = kv([1, 2])  # damaged behind the cache's back
+    assert c.lookup(0, [1, 2, 3, 4, 5]) == (0, None) and len(c) == 0
+
+
+# -- the engine on the tiny model ----------------------------------------------------------------
+def test_after_a_reload_the_hot_prompt_is_a_hit_with_the_new_weights_kv(engine, tiny_model_dir, perturbed_model_dir):
+    prefix = engine.batcher.prefix
+    hot, cold = chat(engine, "Where are the atlases?"), chat(engine, "Poetry?", system="Another shop entirely.")
+    engine.generate(cold, greedy())
+    engine.generate(hot, greedy())
+    hot = hot + [42]
+    engine.generate(hot, greedy())  # reuses the first turn, supersedes it and inherits its heat
+    assert prefix.hottest(0)[0] == tuple(hot) and len(prefix) == 2
+
+    engine.reload(perturbed_model_dir, version=1)
+    info = engine.last_rewarm
+    assert info["ok"] and info["complete"] and info["prompts"] == 2, info
+    staged = dict(engine.batcher._staged[1])
+    fresh = hf_model(perturbed_model_dir)(torch.tensor([list(hot)]), use_cache=True).past_key_values
+    for (k, v), layer in zip(staged[tuple(hot)], fresh.layers):  # the KV a fresh prefill of v1 gives
+        assert torch.allclose(k, layer.keys, atol=1e-5) and torch.allclose(v, layer.values, atol=1e-5)
+
+    hits = prefix.hits
+    g = engine.generate(hot + [7, 8], greedy())
+    assert prefix.hits == hits + 1 and prefix.reused_tokens >= len(hot)  # warm on the new version
+    assert prefix.versions() == {1}  # v0's entries are gone, not just skipped
+    assert close(g.logprobs, logprobs_under(perturbed_model_dir, hot + [7, 8], g.token_ids), 1e-4)
+    plain = TorchEngine(perturbed_model_dir, prefix_cache_tokens=0)
+    try:
+        assert plain.generate(hot + [7, 8], greedy()).token_ids == g.token_ids
+    finally:
+        plain.close()
+
+
+def test_shared_system_prompt_is_prefilled_once_and_the_budget_keeps_a_prefix(engine, perturbed_model_dir):
+    a, b = chat(engine, "Where are the atlases?"), chat(engine, "Do you sell maps of Mars, or globes?")
+    engine.generate(a, greedy(1))
+    engine.generate(b, greedy(1))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    engine.reload(perturbed_model_dir, version=1)
+    info = engine.last_rewarm
+    assert info["prompts"] == 2 and info["prefilled"] <= len(a) + len(b) - shared + 1, info
+
+    engine.rewarm_tokens = shared  # room for the shared prefix only
+    engine.reload(perturbed_model_dir, version=2)
+    info = engine.last_rewarm
+    assert info["ok"] and not info["complete"] and info["prefilled"] == shared, info
+    hits, reused = engine.batcher.prefix.hits, engine.batcher.prefix.reused_tokens
+    g = engine.generate(a, greedy(3))
+    assert engine.batcher.prefix.hits == hits + 1 and engine.batcher.prefix.reused_tokens - reused == shared
+    assert close(g.logprobs, logprobs_under(perturbed_model_dir, a, g.token_ids), 1e-4)
+
+
+@pytest.mark.parametrize("error", [MemoryError, RuntimeError])
+def test_a_failing_rewarm_swaps_cold(engine, perturbed_model_dir, monkeypatch, caplog, error):
+    p = chat(engine, "Atlases?")
+    engine.generate(p, greedy())
+
+    def broken(self, chunk):
+        raise error("out of memory (simulated)")
+
+    monkeypatch.setattr(rewarm_mod.RewarmJob, "step", broken)
+    engine.reload(perturbed_model_dir, version=1)
+    assert engine.policy_version == 1 and not engine.last_rewarm["ok"]
+    assert "out of memory" in engine.last_rewarm["error"] and "swapping cold" in caplog.text
+    hits = engine.batcher.prefix.hits
+    g = engine.generate(p, greedy())
+    assert engine.batcher.prefix.hits == hits  # cold: nothing of v0 reused
+    assert close(g.logprobs, logprobs_under(perturbed_model_dir, p, g.token_ids), 1e-4)
+
+
+def test_a_rewarm_past_its_deadline_keeps_what_it_has_and_the_reload_goes_on(engine, perturbed_model_dir):
+    p = chat(engine, "Atlases?")
+    engine.generate(p, greedy())
+    engine.rewarm_max_s = 1e-6
+    t0 = time.perf_counter()
+    engine.reload(perturbed_model_dir, version=1)
+    assert time.perf_counter() - t0 < 30 and engine.policy_version == 1
+    assert engine.last_rewarm["ok"] and not engine.last_rewarm["complete"]
+    g = engine.generate(p, greedy())
+    assert close(g.logprobs, logprobs_under(perturbed_model_dir, p, g.token_ids), 1e-4)
+
+
+def test_same_version_number_other_weights_rewarms_for_the_new_model(engine, tiny_model_dir, perturbed_model_dir):
+    p = chat(engine, "Atlases?")
+    engine.reload(perturbed_model_dir, version=1)
+    engine.generate(p, greedy())
+    engine.reload(tiny_model_dir, version=1)  # the same number, other weights
+    hits = engine.batcher.prefix.hits
+    g = engine.generate(p, greedy())
+    assert engine.batcher.prefix.hits == hits + 1  # warm: re-warmed by the model now serving
+    assert close(g.logprobs, logprobs_under(tiny_model_dir, p, g.token_ids), 1e-4)
+
+
+def test_a_prompt_longer_than_the_cache_is_served_uncached(tiny_model_dir, perturbed_model_dir):
+    e = TorchEngine(tiny_model_dir, max_batch=2, max_queue=2, prefix_cache_tokens=32, prefix_cache_min_tokens=8)
+    try:
+        p = chat(e, "Which shelf has the atlases, the maps and the globes, please?")
+        assert len(p) > 32
+        g = e.generate(p, greedy())
+        assert e.batcher.prefix.tokens == 0 and g.finish_reason in ("length", "stop")
+        e.reload(perturbed_model_dir, version=1)
+        assert e.last_rewarm == {**e.last_rewarm, "ok": True, "prompts": 0}
+        g = e.generate(p, greedy())
+        assert close(g.logprobs, logprobs_under(perturbed_model_dir, p, g.token_ids), 1e-4)
+    finally:
+        e.close()
