@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -107,6 +107,16 @@ class StoreConfig(_Strict):
     retention_max_bytes: int | None = Field(None, ge=1)  # None: no size bound
     batch_max_tokens: int | None = Field(None, ge=1)  # token budget of one training batch
     claim_ttl_s: float = Field(8 * 3600, gt=0)  # a failed run's unreleased batch is free again after this
+    # Where shards, judgments and env rewards live (clawflow/store/storage.py): None = $CLAWFLOW_HOME;
+    # a local path, or `s3://bucket/prefix` (the `s3` extra) shared by gateways and the orchestrator.
+    # The WAL and the DuckDB catalog always stay local.
+    root: str | None = None
+    # fsspec options for an object-store root, e.g. {"endpoint_url": "http://minio:9000"};
+    # credentials come from the usual AWS variables or files, never from this file
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    # Gateway replicas sealing into one root: each names its WAL segments, hence its shards, with
+    # this id; None = $CLAWFLOW_REPLICA_ID, else the host name when `root` is set (laptop: none)
+    replica_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class LLMJudgeConfig(_Strict):

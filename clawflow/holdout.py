@@ -42,7 +42,7 @@ def held_out_turns(catalog: Catalog, per_sign: int, exclude: list[str], fraction
     turn_id, score, created_at, prompt_token_ids, response_token_ids."""
     if per_sign <= 0:
         return []
-    judged, params = queries.judgments_from(catalog.home)
+    judged, params = queries.judgments_from(catalog.storage)
     slice_ = "AND ('0x' || md5(t.turn_id)[1:8])::UBIGINT < $cut" if fraction > 0 else ""
     sql = f"""
         SELECT t.turn_id, t.path, j.score FROM turn_keys AS t JOIN {judged} AS j USING (turn_id)

@@ -46,7 +46,7 @@ def judge_turns(cfg: Config, pairs: list[dict[str, Any]]) -> list[dict[str, Any]
     per judge version; turns it could not answer are left out and judged on a later run."""
     jc = cfg.judge
     combine = partial(combine_reward, mode=jc.env_reward, weight=jc.env_reward_weight)
-    judgments = judge_pairs(make_judge(cfg), pairs, jc.concurrency, JudgmentStore(cfg.home), combine)
+    judgments = judge_pairs(make_judge(cfg), pairs, jc.concurrency, JudgmentStore.for_config(cfg), combine)
     scores = [j["score"] for j in judgments]
     log = get_run_logger()
     log.info("judged %d of %d turns (%d reused): %d good, %d bad, %d neutral", len(scores), len(pairs),

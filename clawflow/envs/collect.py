@@ -13,6 +13,7 @@ import httpx
 from clawflow.config import Config
 from clawflow.envs.base import Environment, EpisodeResult, run_episodes, summarize
 from clawflow.envs.rewards import write_env_rewards
+from clawflow.store.storage import Storage
 
 
 def gateway_healthy(cfg: Config, timeout_s: float = 3.0) -> bool:
@@ -27,7 +28,7 @@ def collect_round(cfg: Config, envs: list[Environment], count: int, rng: random.
     """Run `count` episodes (bounded concurrency) and write their outcome rewards."""
     results = asyncio.run(run_episodes(envs, cfg.envs, cfg.gateway_url, cfg.serving.api_key, cfg.model.name,
                                        count, rng))
-    write_env_rewards(cfg.home, [row for r in results for row in r.rewards])
+    write_env_rewards(Storage.for_config(cfg), [row for r in results for row in r.rewards])
     return results
 
 

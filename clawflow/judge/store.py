@@ -1,4 +1,5 @@
-"""Judgments on disk: append-only Parquet files under `$CLAWFLOW_HOME/judgments/`.
+"""Judgments on disk: append-only Parquet files under `judgments/` of the storage root
+(`$CLAWFLOW_HOME` by default, or an object store: clawflow/store/storage.py).
 
 One file per judging batch (temp name → fsync → rename, like the shards), with exactly the
 columns below; other tools (`forget`, stats) read them by these names. A turn is judged once per
@@ -16,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clawflow.store.shards import write_parquet_atomic
+from clawflow.store.storage import Storage
 
 SCHEMA = pa.schema([
     ("turn_id", pa.string()),
@@ -34,22 +35,26 @@ COLUMNS = SCHEMA.names
 
 
 class JudgmentStore:
-    def __init__(self, home: Path):
-        self.dir = Path(home) / "judgments"
+    def __init__(self, home: Path, storage: Storage | None = None):
+        self.storage = storage if storage is not None else Storage(home)
+        self.dir = self.storage.join("judgments")
 
-    def files(self) -> list[Path]:
-        return sorted(self.dir.glob("*.parquet")) if self.dir.is_dir() else []
+    @classmethod
+    def for_config(cls, cfg) -> "JudgmentStore":
+        return cls(cfg.home, Storage.for_config(cfg))
 
-    def append(self, rows: list[dict[str, Any]]) -> Path | None:
+    def files(self) -> list[Path | str]:
+        return [e.path for e in self.storage.list("judgments")]
+
+    def append(self, rows: list[dict[str, Any]]) -> Path | str | None:
         """Write `rows` (dicts with COLUMNS; created_at defaults to now) as one new file."""
         if not rows:
             return None
         now = datetime.now(UTC)
         table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} | {"created_at": r.get("created_at") or now}
                                       for r in rows], schema=SCHEMA)
-        path = self.dir / f"{now:%Y%m%dT%H%M%S%f}-{uuid.uuid4().hex[:8]}.parquet"
-        write_parquet_atomic(table, path)  # the store's temp → fsync → rename → fsync dir
-        return path
+        # local: temp → fsync → rename → fsync dir; object store: a conditional put
+        return self.storage.write_parquet(table, f"judgments/{now:%Y%m%dT%H%M%S%f}-{uuid.uuid4().hex[:8]}.parquet")
 
     def lookup(self, turn_ids: list[str], judge: str, judge_version: str) -> dict[str, dict[str, Any]]:
         """Stored judgments of `turn_ids` by this judge version (latest wins), by turn id."""
@@ -59,6 +64,7 @@ class JudgmentStore:
         import duckdb
 
         con = duckdb.connect()
+        self.storage.attach(con)
         try:
             cur = con.execute(
                 "SELECT * FROM read_parquet($files) WHERE judge = $judge AND judge_version = $version "

@@ -14,10 +14,15 @@ Exactly-once: `select_batch` claims its turns under the run's id (a retry of tha
 same batch back; other runs skip claimed turns) and `commit_consumed` turns the claim into
 consumption in one transaction, called once the version is registered. A connection lives for
 one call: other processes need the file lock in between.
+
+The shards may live in an object store (`store.root: s3://…`, storage.py): the catalog file stays
+local to the one orchestrator that writes it, lists the shards there, verifies each object's
+checksum as it registers it, and reads rows through DuckDB with the store's fsspec filesystem.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import defaultdict
@@ -28,12 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from clawflow.store import journal, queries
 from clawflow.store.locks import store_lock
+from clawflow.store.metrics import STORE
 from clawflow.store.record import sql_columns
 from clawflow.store.shards import CorruptShard, FutureShard, inspect_shard, quarantine, shard_files
+from clawflow.store.storage import ChecksumMismatch, Storage
 
 log = logging.getLogger("clawflow.store.catalog")
 
@@ -54,11 +62,15 @@ _KEY_COLUMNS = ("turn_id", "session_id", "turn_index", "turn_type", "created_at"
 
 
 class Catalog:
-    def __init__(self, db_path: Path, shards_dir: Path, lock_timeout_s: float = 30.0, *,
-                 home: Path | None = None, claim_ttl_s: float = 8 * 3600):
+    def __init__(self, db_path: Path, shards_dir: Path | str, lock_timeout_s: float = 30.0, *,
+                 home: Path | None = None, claim_ttl_s: float = 8 * 3600, storage: Storage | None = None):
         self.db_path = Path(db_path)
-        self.shards_dir = Path(shards_dir)
-        self.home = Path(home) if home is not None else self.shards_dir.parent
+        # the storage root: judgments/ and env_rewards/ beside shards/ (a local dir by default)
+        self.storage = storage if storage is not None else Storage(Path(shards_dir).parent)
+        self.shards_dir = shards_dir if self.storage.remote else Path(shards_dir)
+        self.home = Path(home) if home is not None else Path(self.storage.root) if not self.storage.remote else None
+        if self.home is None:
+            raise ValueError("a catalog over an object store needs its local home (locks, journal)")
         self.lock_timeout_s = lock_timeout_s
         self.claim_ttl_s = claim_ttl_s
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +79,9 @@ class Catalog:
 
     @classmethod
     def for_config(cls, cfg) -> "Catalog":
-        return cls(cfg.home / "catalog.duckdb", cfg.home / "shards", home=cfg.home, claim_ttl_s=cfg.store.claim_ttl_s)
+        storage = Storage.for_config(cfg)
+        return cls(cfg.home / "catalog.duckdb", storage.join("shards"), home=cfg.home,
+                   claim_ttl_s=cfg.store.claim_ttl_s, storage=storage)
 
     # -- connections and shard registration ------------------------------------------------
     @contextmanager
@@ -84,6 +98,7 @@ class Catalog:
                 time.sleep(0.05)
         try:
             con.execute("SET TimeZone = 'UTC'").fetchall()
+            self.storage.attach(con)
             yield con
         finally:
             con.close()
@@ -105,11 +120,14 @@ class Catalog:
         with store_lock(self.home):
             journal.recover(self.home)
             known = {p: (m, b) for p, m, b in con.execute("SELECT path, mtime, bytes FROM shards").fetchall()}
-            on_disk = {}
-            for path in shard_files(self.shards_dir):
-                with suppress(FileNotFoundError):
-                    st = path.stat()
-                    on_disk[self.rel(path)] = (path, st.st_mtime, st.st_size)
+            if self.storage.remote:
+                on_disk = {e.rel: (e.path, e.mtime, e.size) for e in self.storage.list("shards")}
+            else:
+                on_disk = {}
+                for path in shard_files(self.shards_dir):
+                    with suppress(FileNotFoundError):
+                        st = path.stat()
+                        on_disk[self.rel(path)] = (path, st.st_mtime, st.st_size)
             gone = sorted(known.keys() - on_disk.keys())
             if gone:
                 log.warning("%d shards disappeared from disk; unregistered: %s", len(gone), gone[:5])
@@ -119,21 +137,22 @@ class Catalog:
                 if known.get(rel) == (mtime, size):
                     continue
                 try:
-                    self.register(con, path)
+                    self.register(con, path, mtime)
                 except FutureShard as exc:
                     log.warning("skipping %s", exc)
                     continue
                 except CorruptShard as exc:
-                    quarantine(path, self.home, str(exc))
+                    self._quarantine(path, rel, str(exc))
                     self.unregister(con, [rel])
                     counts["quarantined"] += 1
                     continue
                 counts["registered"] += 1
         return counts
 
-    def register(self, con: duckdb.DuckDBPyConnection, path: Path) -> None:
-        """Validate the shard at `path` (CorruptShard, FutureShard) and (re)load its keys."""
-        info, table = inspect_shard(path)
+    def register(self, con: duckdb.DuckDBPyConnection, path: Path | str, listed_mtime: float | None = None) -> None:
+        """Validate the shard at `path` (CorruptShard, FutureShard) and (re)load its keys;
+        `listed_mtime`: its modification time as listed (an object's, which the bytes lack)."""
+        info, table = self._inspect(path)
         rel = self.rel(path)
         keys = table.select(list(_KEY_COLUMNS)).append_column(
             "tokens", pc.add(table["prompt_tokens"], table["response_tokens"]))
@@ -146,7 +165,7 @@ class Catalog:
             con.execute(
                 "INSERT OR REPLACE INTO shards VALUES ($p, $rows, $bytes, $first, $last, $v, $mtime, now())",
                 {"p": rel, "rows": info.rows, "bytes": info.bytes, "first": info.first_at, "last": info.last_at,
-                 "v": info.schema_version, "mtime": info.mtime},
+                 "v": info.schema_version, "mtime": info.mtime if listed_mtime is None else listed_mtime},
             ).fetchall()
             con.execute("COMMIT").fetchall()
         except BaseException:
@@ -159,7 +178,35 @@ class Catalog:
         con.execute("DELETE FROM shards WHERE list_contains($p, path)", {"p": rels}).fetchall()
 
     def rel(self, path: Path | str) -> str:
+        if self.storage.remote:
+            return str(path).removeprefix(f"{self.shards_dir}/")
         return str(Path(path).relative_to(self.shards_dir))
+
+    def shard_path(self, rel: str) -> Path | str:
+        return self.storage.join("shards", rel) if self.storage.remote else self.shards_dir / rel
+
+    def _inspect(self, path: Path | str):
+        if not self.storage.remote:
+            return inspect_shard(path)
+        try:  # the whole object, checked against the checksum it was uploaded with
+            data = self.storage.read_bytes(path)
+        except ChecksumMismatch as exc:
+            raise CorruptShard(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise CorruptShard(f"vanished while being read: {exc}") from exc
+        return inspect_shard(path, data=pa.py_buffer(data))
+
+    def _quarantine(self, path: Path | str, rel: str, reason: str) -> None:
+        if not self.storage.remote:
+            quarantine(path, self.home, reason)
+            return
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        target = self.storage.move(path, f"quarantine/{stamp}-{rel.replace('/', '__')}")
+        self.storage.put_bytes(json.dumps({"original": str(path), "reason": reason,
+                                           "quarantined_at": datetime.now(UTC).isoformat()}).encode(),
+                               f"quarantine/{stamp}-{rel.replace('/', '__')}.reason.json")
+        STORE.add(shards_quarantined=1)
+        log.error("quarantined corrupt shard %s -> %s: %s", path, target, reason)
 
     def turns_from(self, con: duckdb.DuckDBPyConnection, only: list[str] | None = None
                    ) -> tuple[str, dict[str, Any]] | None:
@@ -170,7 +217,7 @@ class Catalog:
         by_version: dict[int, list[str]] = defaultdict(list)
         for rel, version in rows:
             if wanted is None or rel in wanted:
-                by_version[version].append(str(self.shards_dir / rel))
+                by_version[version].append(str(self.shard_path(rel)))
         if not by_version:
             return None
         parts = [f"SELECT {sql_columns(v)} FROM read_parquet($files_v{v})" for v in sorted(by_version)]

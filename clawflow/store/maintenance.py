@@ -31,6 +31,7 @@ from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
 from clawflow.store.record import ARROW_SCHEMA
 from clawflow.store.shards import read_shard, stage_parquet, write_shard
+from clawflow.store.storage import StorageError
 from clawflow.store.wal import fsync_dir
 
 log = logging.getLogger("clawflow.store.maintenance")
@@ -60,8 +61,16 @@ def _groups(shards: list[tuple[str, int]], target_bytes: int) -> list[list[str]]
     return [g for g in groups if len(g) > 1]
 
 
+def local_only(cat: Catalog, what: str) -> None:
+    """Rewriting shards goes through the local journal and renames: not (yet) for an object store."""
+    if cat.storage.remote:
+        raise StorageError(f"{what} rewrites shards in place, which is not supported on an object-store root "
+                           f"({cat.storage.root}) yet; use a local or mounted `store.root` for it")
+
+
 def compact(cat: Catalog, target_bytes: int, row_group_rows: int = 122_880) -> list[Compacted]:
     """Merge small shards; the new shards."""
+    local_only(cat, "compaction")
     done = []
     with cat.connect() as con, store_lock(cat.home):
         small = con.execute("SELECT path, bytes FROM shards WHERE bytes < $half ORDER BY path, first_at",
@@ -114,6 +123,7 @@ def apply_retention(cat: Catalog, days: float | None, max_bytes: int | None,
                     registered_versions: Collection[int] | None = None, now: datetime | None = None,
                     row_group_rows: int = 122_880) -> RetentionReport:
     """Delete what the policy allows (see the module docstring)."""
+    local_only(cat, "retention")
     now = now or datetime.now(UTC)
     with cat.connect() as con, store_lock(cat.home):
         before = con.execute("SELECT coalesce(sum(bytes), 0)::BIGINT FROM shards").fetchall()[0][0]

@@ -17,6 +17,8 @@ class StoreMetrics:
     turns_sealed: int = 0
     turns_forgotten_at_seal: int = 0  # dropped because their session was forgotten
     shards_quarantined: int = 0
+    shards_uploaded: int = 0  # object-store root: shards that left the outbox (outbox.py)
+    shard_upload_failures: int = 0  # uploads that failed (store down); the shard waits and is retried
 
     def add(self, **counts: int) -> None:
         with _lock:

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
-from clawflow.store.maintenance import rewrite_without
+from clawflow.store.maintenance import local_only, rewrite_without
 from clawflow.store.record import ARROW_SCHEMA, JSON_FIELDS
 from clawflow.store.shards import TMP_SUFFIX, write_parquet_atomic
 from clawflow.store.tombstones import add_tombstone
@@ -86,6 +86,7 @@ def _write_jsonl(table: pa.Table, out: Path) -> None:
 
 def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) -> ForgetReport:
     """Remove every stored turn of `session_id` created up to `at` (now) from everywhere."""
+    local_only(cat, "forget")
     home = cat.home
     add_tombstone(home, session_id, at)  # first: a seal racing us drops the session too
     with cat.connect() as con, store_lock(home):
@@ -99,7 +100,7 @@ def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) ->
                                             {"ids": ids}).fetchall())
         con.execute("CHECKPOINT").fetchall()  # deleted rows leave the WAL file now, not later
         wal = _forget_in_segments(home / "wal", session_id)
-        judgments = sum(_drop_rows(p, session_id, ids) for p in sorted((home / "judgments").glob("*.parquet")))
+        judgments = sum(_drop_rows(p, session_id, ids) for p in sorted(Path(cat.storage.join("judgments")).glob("*.parquet")))
         samples = sum(_drop_rows(p, None, ids) for p in sorted((home / "runs").glob("*/samples.parquet")))
     report = ForgetReport(removed, len(files), wal, judgments, samples, catalog_rows)
     log.info("forgot a session: %s", report)

@@ -4,10 +4,10 @@ Pairing (turn t with its next state) joins main turns on (session, index + 1), t
 first-created turn t + 1 when there are several; side traffic is never anyone's next state. A
 batch is chosen on the keys (oldest pending turns that have a next turn, then the token budget),
 then the full rows of the chosen turns and of their next turns are read from the few shards
-that hold them. Judgments (the judge's `$CLAWFLOW_HOME/judgments/*.parquet`) join by turn id;
+that hold them. Judgments (the judge's `judgments/*.parquet` under the storage root) join by turn id;
 a missing directory means no judgments.
 
-Outcome rewards (`$CLAWFLOW_HOME/env_rewards/*.parquet`, written by environments after an
+Outcome rewards (`env_rewards/*.parquet` under the storage root, written by environments after an
 episode ends) join onto pairs and closed turns by (session_id, turn_index), and by response_text
 when several rows share that key (the members of a sampled group); a turn without a row of its
 own gets its episode's outcome, the session's row at its highest turn_index (OpenClaw-RL adds
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
+
+from clawflow.store.storage import Storage
 
 if TYPE_CHECKING:
     from clawflow.store.catalog import Catalog
@@ -139,7 +141,7 @@ def attach_env_rewards(cat: Catalog, con: duckdb.DuckDBPyConnection,
                        rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Set each row's `env_reward` from the environments' outcome files (see the module doc),
     unless its turn record already carries one; rows are changed in place and returned."""
-    files = sorted(str(p) for p in (Path(cat.home) / "env_rewards").glob("*.parquet"))
+    files = [str(e.path) for e in cat.storage.list("env_rewards")]
     todo = [r for r in rows if r.get("env_reward") is None]
     if not files or not todo:
         return rows
@@ -151,9 +153,11 @@ def attach_env_rewards(cat: Catalog, con: duckdb.DuckDBPyConnection,
     return rows
 
 
-def judgments_from(home: Path, judge: str | None = None) -> tuple[str, dict[str, Any]]:
-    """Latest judgment per turn (score), from the judge's Parquet files; empty when there are none."""
-    files = sorted(str(p) for p in (Path(home) / "judgments").glob("*.parquet"))
+def judgments_from(root: Storage | Path, judge: str | None = None) -> tuple[str, dict[str, Any]]:
+    """Latest judgment per turn (score), from the judge's Parquet files under the storage root
+    (a Path: a local root); empty when there are none."""
+    storage = root if isinstance(root, Storage) else Storage(root)
+    files = [str(e.path) for e in storage.list("judgments")]
     if not files:
         return "(SELECT NULL::VARCHAR AS turn_id, NULL::TINYINT AS score WHERE false)", {}
     where = "WHERE judge = $judge" if judge else ""
@@ -163,7 +167,7 @@ def judgments_from(home: Path, judge: str | None = None) -> tuple[str, dict[str,
 
 
 def version_stats(cat: Catalog, con: duckdb.DuckDBPyConnection, judge: str | None) -> list[dict[str, Any]]:
-    judged, params = judgments_from(cat.home, judge)
+    judged, params = judgments_from(cat.storage, judge)
     sql = f"""
         SELECT t.policy_version, count(*) AS turns, count(*) FILTER (WHERE t.turn_type = 'main') AS main_turns,
                count(j.score) AS judged, avg(j.score)::DOUBLE AS mean_reward, count(c.turn_id) AS consumed,

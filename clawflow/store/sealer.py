@@ -7,12 +7,17 @@ to a temp name, fsynced and renamed; only then is the segment deleted and
 `clawflow.shard.sealed` emitted, which triggers training. Turns of forgotten sessions are
 dropped here (see tombstones.py). Each pass holds the store lock, so `forget` and compaction
 never race a shard being sealed.
+
+With an object-store root (`store.root: s3://…`) the shards are sealed into the local outbox
+and then uploaded (outbox.py); `clawflow.shard.sealed` is emitted once a shard is in the store,
+where the orchestrator can read it. Uploads that fail are retried with a growing delay.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,8 +27,10 @@ from clawflow.events import SHARD_SEALED, emit
 from clawflow.store import journal
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
+from clawflow.store.outbox import outbox_dir, publish
 from clawflow.store.record import rows_to_table
-from clawflow.store.shards import write_shard
+from clawflow.store.shards import remove_stale_temps, write_shard
+from clawflow.store.storage import Storage, replica_id
 from clawflow.store.tombstones import forgotten, load_tombstones
 from clawflow.store.wal import (
     CLOSED_SUFFIX,
@@ -40,7 +47,7 @@ log = logging.getLogger("clawflow.store.sealer")
 @dataclass(frozen=True)
 class SealedShard:
     shard_id: str
-    path: Path
+    path: Path | str  # the object's URL once uploaded to an object-store root
     rows: int
     first_at: datetime
     last_at: datetime
@@ -122,8 +129,11 @@ class Sealer:
     """Background thread that rotates aged segments and seals closed ones every `interval_s`."""
 
     def __init__(self, writer: SegmentWriter, shards_dir: Path, interval_s: float, *,
-                 home: Path | None = None, row_group_rows: int = 122_880):
+                 home: Path | None = None, row_group_rows: int = 122_880, storage: Storage | None = None):
         self.writer = writer
+        self.storage = storage if storage is not None and storage.remote else None  # shards_dir is its outbox
+        self._upload_at = 0.0  # time.monotonic() of the next upload try (after a failure)
+        self._upload_delay = 0.0
         self.shards_dir = Path(shards_dir)
         self.home = Path(home) if home is not None else self.shards_dir.parent
         self.interval_s = interval_s
@@ -143,7 +153,7 @@ class Sealer:
         """Rotate the active segment and seal every closed one now."""
         with self._lock:
             self.writer.rotate()
-            return self._seal()
+            return self._seal(force_upload=True)
 
     def stop(self) -> list[SealedShard]:
         """Stop the thread, then seal everything (every acknowledged turn ends up in a shard)."""
@@ -161,8 +171,23 @@ class Sealer:
                 w.rotate()
             return self._seal()
 
-    def _seal(self) -> list[SealedShard]:
-        return seal_closed(self.writer.root, self.shards_dir, self.home, self.row_group_rows)
+    def _seal(self, force_upload: bool = False) -> list[SealedShard]:
+        sealed = seal_closed(self.writer.root, self.shards_dir, self.home, self.row_group_rows,
+                             announce=self.storage is None)
+        if self.storage is None or not (force_upload or time.monotonic() >= self._upload_at):
+            return sealed
+        by_id = {s.shard_id: s for s in sealed}
+        for p in publish(self.shards_dir, self.storage):
+            local = by_id.pop(p.local_id, None)
+            torn = local.torn if local is not None else 0
+            by_id[p.shard_id] = shard = SealedShard(p.shard_id, p.url, p.rows, p.first_at, p.last_at, torn)
+            announce_shard(shard)  # only now can the orchestrator read it
+        if any(self.shards_dir.rglob("*.parquet")):  # the store is down: try again later, less often
+            self._upload_delay = min(60.0, max(self.interval_s, 2 * self._upload_delay))
+            self._upload_at = time.monotonic() + self._upload_delay
+        else:
+            self._upload_delay = 0.0
+        return sorted(by_id.values(), key=lambda s: s.shard_id)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -175,12 +200,16 @@ class Sealer:
 def open_store(home: Path, store_cfg: StoreConfig) -> tuple[SegmentWriter, Sealer]:
     """Recover and seal what a previous process left, then build the writer and (unstarted) sealer."""
     home = Path(home)
-    wal_dir, shards_dir = home / "wal", home / "shards"
+    storage = Storage.from_store(home, store_cfg)
+    # an object-store root: seal into the local outbox, upload from there (outbox.py)
+    wal_dir, shards_dir = home / "wal", outbox_dir(home) if storage.remote else Path(storage.join("shards"))
     with store_lock(home):
         journal.recover(home)  # an interrupted compaction, temp files of an interrupted seal
+        if storage.remote:
+            remove_stale_temps(shards_dir)
         recover_open_segments(wal_dir)
         recovered = seal_closed(wal_dir, shards_dir, home, store_cfg.row_group_rows, announce=False)
-    if recovered:
+    if recovered and not storage.remote:  # outbox shards are announced once the sealer uploads them
         log.info("sealed %d leftover segment(s), %d turns", len(recovered), sum(s.rows for s in recovered))
         # announced off the startup path: emitting imports Prefect (seconds); the catalog, not the
         # event, is the record of what is pending, so an event lost to another crash loses no turn
@@ -193,6 +222,7 @@ def open_store(home: Path, store_cfg: StoreConfig) -> tuple[SegmentWriter, Seale
         max_age_s=store_cfg.segment_max_age_s,
         max_turns=store_cfg.segment_max_turns,
         group_commit_ms=store_cfg.group_commit_ms,
+        replica=replica_id(store_cfg),
     )
     return writer, Sealer(writer, shards_dir, store_cfg.seal_interval_s, home=home,
-                          row_group_rows=store_cfg.row_group_rows)
+                          row_group_rows=store_cfg.row_group_rows, storage=storage)

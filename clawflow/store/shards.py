@@ -74,16 +74,21 @@ def read_shard(path: Path) -> pa.Table:
     return upgrade_table(pq.read_table(path))
 
 
-def inspect_shard(path: Path) -> tuple[ShardInfo, pa.Table]:
+def inspect_shard(path: Path | str, data: pa.Buffer | None = None) -> tuple[ShardInfo, pa.Table]:
     """Read the whole shard (checksums verified, upgraded to the current schema): its row count
-    and time range, and the table; CorruptShard when it cannot be read."""
-    path = Path(path)
+    and time range, and the table; CorruptShard when it cannot be read. `data`: the shard's bytes
+    already fetched (an object store; `path` is then its URL, for messages)."""
+    name = str(path).rsplit("/", 1)[-1]
     try:
-        stat = path.stat()
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        if data is None:
+            stat = Path(path).stat()
+            size, mtime = stat.st_size, stat.st_mtime
+        else:
+            size, mtime = data.size, 0.0
+        pf = pq.ParquetFile(Path(path) if data is None else pa.BufferReader(data), page_checksum_verification=True)
         version = schema_version(pf.schema_arrow)
         if version > SCHEMA_VERSION:
-            raise FutureShard(f"{path.name}: schema v{version} is newer than this clawflow's v{SCHEMA_VERSION}")
+            raise FutureShard(f"{name}: schema v{version} is newer than this clawflow's v{SCHEMA_VERSION}")
         table = upgrade_table(pf.read())
     except FutureShard:
         raise
@@ -93,9 +98,9 @@ def inspect_shard(path: Path) -> tuple[ShardInfo, pa.Table]:
         raise CorruptShard("rows without turn_id")
     bounds = pc.min_max(table["created_at"]) if table.num_rows else None
     return ShardInfo(
-        rows=table.num_rows, bytes=stat.st_size,
+        rows=table.num_rows, bytes=size,
         first_at=bounds["min"].as_py() if bounds else None, last_at=bounds["max"].as_py() if bounds else None,
-        schema_version=version, mtime=stat.st_mtime,
+        schema_version=version, mtime=mtime,
     ), table
 
 

@@ -7,8 +7,8 @@ fsync that a flusher thread issues at most once per `group_commit_ms` (group com
 one fsync, every reply still waits until its turn is on disk); `never` leaves it to the page
 cache (survives a process crash, not a power loss).
 
-Segments are named `<UTC timestamp>-<id>.open.jsonl` while written and renamed to `.jsonl` when
-closed (by size, turn count or age); the sealer turns closed segments into Parquet shards. After
+Segments are named `<UTC timestamp>-[<replica>-]<id>.open.jsonl` while written and renamed to
+`.jsonl` when closed (by size, turn count or age); the sealer turns closed segments into Parquet shards. After
 a crash, `recover_open_segments` closes what was left, and `read_segment` skips (and reports) a
 torn last line.
 """
@@ -47,8 +47,11 @@ class SegmentWriter:
     """Appends turn records to the active segment; thread-safe, one lock."""
 
     def __init__(self, root: Path, fsync: FsyncPolicy | bool = "always", max_bytes: int = 8 << 20,
-                 max_age_s: float = 60.0, max_turns: int = 10_000, group_commit_ms: float = 5.0):
+                 max_age_s: float = 60.0, max_turns: int = 10_000, group_commit_ms: float = 5.0,
+                 replica: str | None = None):
         self.root = Path(root)
+        # in every segment name, so shards sealed by replicas into one shared root never share a name
+        self.replica = replica
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy: FsyncPolicy = {True: "always", False: "never"}.get(fsync, fsync)  # type: ignore[arg-type]
         if self.policy not in ("always", "group", "never"):
@@ -121,7 +124,8 @@ class SegmentWriter:
 
     def _open_new(self) -> None:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
-        self._path = self.root / f"{stamp}-{uuid.uuid4().hex[:8]}{OPEN_SUFFIX}"
+        ident = f"{self.replica}-{uuid.uuid4().hex[:8]}" if self.replica else uuid.uuid4().hex[:8]
+        self._path = self.root / f"{stamp}-{ident}{OPEN_SUFFIX}"
         # buffering=0: each write() is a single system call, so lines never interleave or split
         self._file = open(self._path, "xb", buffering=0)  # noqa: SIM115 - closed in _close_active
         if self.policy != "never":
