@@ -137,3 +137,19 @@ def test_a_damaged_shard_is_quarantined_not_read(tmp_path, s3_store):
     assert cat.pending_pairs(10) == [] and not storage.list("shards")
     (reason,) = storage.list("quarantine", suffix=".reason.json")
     assert b"do not match the checksum" in storage.fs.cat_file(reason.path)
+
+
+def test_rewrites_say_they_are_not_supported_on_an_object_store(tmp_path, s3_store):
+    """Compaction (an optimization) is skipped; a retention policy or a forget request that
+    cannot be carried out there is an error that says so, never a silent no-op."""
+    from clawflow.store.maintenance import apply_retention, compact
+    from clawflow.store.privacy import forget_session
+    from clawflow.store.storage import StorageError
+
+    cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
+    assert compact(cat, 1 << 20) == []
+    assert apply_retention(cat, None, None).deleted == 0  # no policy: nothing to do anywhere
+    with pytest.raises(StorageError, match="not supported on an object-store root"):
+        apply_retention(cat, 30.0, None)
+    with pytest.raises(StorageError, match="not supported on an object-store root"):
+        forget_session(cat, "s")

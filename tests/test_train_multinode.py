@@ -108,3 +108,18 @@ def test_training_task_fails_on_a_rendezvous_so_prefect_retries_it(base, batch, 
         train_policy.fn(cfg, "run-rdzv", str(base), batch[1])
     assert train_policy.retries >= 1
     assert not (cfg.home / "checkpoints" / "run-rdzv").exists()
+
+
+def test_unreachable_rendezvous_endpoint_fails_with_the_reason(base, batch, tmp_path, monkeypatch):  # noqa: F811
+    """Node 1 of 2 whose rendezvous endpoint answers nothing (node 0 never came up, a wrong host
+    or port): the same one-line reason naming the endpoint, within the join timeout."""
+    monkeypatch.setenv("CLAWFLOW_HOME", str(tmp_path / "home"))
+    endpoint = f"127.0.0.1:{free_port()}"
+    path, cfg = node_config(tmp_path, 1, rdzv_endpoint=endpoint, rdzv_id="nobody", rdzv_timeout_s=3)
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError) as err:
+        run_training(path, cfg, base, batch[0], tmp_path / "ckpt" / "nobody", timeout_s=120)
+    took = time.monotonic() - t0
+    print(f"unreachable rendezvous reported in {took:.1f} s: {err.value.reason}")
+    assert f"rendezvous 'nobody' at {endpoint} did not form" in err.value.reason and "(node 1)" in err.value.reason
+    assert "\n" not in err.value.reason and took < 90
