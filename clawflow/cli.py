@@ -98,7 +98,7 @@ def status(config: Optional[Path] = ConfigOpt) -> None:
     table.add_row("gateway", cfg.gateway_url)
     table.add_row("served policy", served)
     try:
-        stats = Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards").stats()
+        stats = Catalog.for_config(cfg).stats()  # shards wherever store.root puts them
         table.add_row("shards", str(stats["shards"]))
         table.add_row("turns (consumed)", f"{stats['turns']} ({stats['consumed']})")
         table.add_row("turns pending training", str(stats["pending"]))

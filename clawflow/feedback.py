@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ import pyarrow.parquet as pq
 from clawflow.judge import Judge, JudgeInput, Judgment, judge_many
 from clawflow.judge.stats import combine_reward
 from clawflow.judge.store import JudgmentStore
+from clawflow.store.storage import ObjectExists, Storage
+
+log = logging.getLogger("clawflow.feedback")
 
 SAMPLE_SCHEMA = pa.schema([
     ("turn_id", pa.string()),
@@ -102,3 +106,16 @@ def write_samples(samples: list[dict[str, Any]], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(samples, schema=SAMPLE_SCHEMA), path)
     return path
+
+
+def keep_samples(storage: Storage, run_id: str, path: Path) -> str | None:
+    """On an object-store root, a copy of a run's samples file at `runs/<run_id>/samples.parquet`
+    beside the shards it came from: what each run trained on outlives the trainer host (the
+    trainer reads its local copy). None on a local root, where `path` is already the record."""
+    if not storage.remote:
+        return None
+    try:
+        return storage.put_bytes(Path(path).read_bytes(), f"runs/{run_id}/samples.parquet")
+    except ObjectExists:  # a retried run whose samples came out different: the first record stays
+        log.warning("runs/%s/samples.parquet already exists with other contents; kept", run_id)
+        return None

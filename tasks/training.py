@@ -13,13 +13,14 @@ from prefect.cache_policies import NO_CACHE
 
 from clawflow import events, ops, registry
 from clawflow.config import Config
-from clawflow.feedback import judge_pairs, training_samples, write_samples
+from clawflow.feedback import judge_pairs, keep_samples, training_samples, write_samples
 from clawflow.judge import make_judge
 from clawflow.judge.stats import combine_reward, judge_stats
 from clawflow.judge.store import JudgmentStore
 from clawflow.lineage import lineage_tags, shards_of
 from clawflow.models import base_model_dir
 from clawflow.store.catalog import Catalog
+from clawflow.store.storage import Storage
 from clawflow.train.launch import EXIT_NO_SAMPLES, TrainingError, run_training
 
 
@@ -102,6 +103,7 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, An
     group has equal rewards, or OPD samples without a usable hint): a result, not a failure."""
     run_dir = cfg.home / "runs" / run_id
     batch = write_samples(samples, run_dir / "samples.parquet")
+    keep_samples(Storage.for_config(cfg), run_id, batch)
     out = cfg.home / "checkpoints" / run_id
     done = out / "train_metrics.json"
     if done.exists():  # a retry after the checkpoint was written: reuse it, don't train twice

@@ -153,3 +153,16 @@ def test_rewrites_say_they_are_not_supported_on_an_object_store(tmp_path, s3_sto
         apply_retention(cat, 30.0, None)
     with pytest.raises(StorageError, match="not supported on an object-store root"):
         forget_session(cat, "s")
+
+
+def test_concurrent_catalog_connections_share_the_store(tmp_path, s3_store):
+    """Two connections open at once on one catalog file (one DuckDB instance): both read the store."""
+    writer, sealer = open_store(tmp_path / "gw", store_cfg(s3_store, replica_id="gw"))
+    writer.append(turn("s", 0))
+    writer.append(turn("s", 1))
+    sealer.seal_all()
+    cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
+    with cat.connect() as one, cat.connect() as two:
+        src, params = cat.turns_from(one)
+        for con in (one, two):
+            assert con.execute(f"SELECT count(*) FROM {src}", params).fetchall() == [(2,)]

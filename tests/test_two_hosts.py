@@ -111,6 +111,9 @@ def test_gateway_and_trainer_share_only_the_object_store_mlflow_and_prefect(
         assert result["trained"] and result["version"] == 1 and result["promoted"], result
         assert result["samples"] == 2 and result["reloaded"] is True, result
         assert Catalog.for_config(tr_cfg).stats()["consumed"] == 2
+        bucket_store = Storage(root, store["storage_options"])
+        assert f"{result['mlflow_run']}/samples.parquet" in {e.rel for e in bucket_store.list("runs")}
+        assert bucket_store.list("judgments")  # the trainer's judgments are beside the shards
 
         # the gateway fetched v1 from the tracking server (artifacts on S3), verified, serves it
         assert policy_version(gw_cfg) == 1

@@ -32,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -150,8 +151,13 @@ class Storage:
 
     def attach(self, con) -> None:
         """Let a DuckDB connection read this root's URLs (`read_parquet('s3://…')`)."""
-        if self.remote:
+        if not self.remote:
+            return
+        try:
             con.register_filesystem(self.fs)
+        except duckdb.InvalidInputException as exc:  # connections to one open database share its
+            if "already been registered" not in str(exc):  # filesystems: another one registered it
+                raise
 
     # -- writing ------------------------------------------------------------------------------
     def put_bytes(self, data: bytes, rel: str) -> str:
