@@ -166,3 +166,17 @@ def test_concurrent_catalog_connections_share_the_store(tmp_path, s3_store):
         src, params = cat.turns_from(one)
         for con in (one, two):
             assert con.execute(f"SELECT count(*) FROM {src}", params).fetchall() == [(2,)]
+
+
+def test_replica_id_defaults(monkeypatch):
+    """Laptop (no root): none, names unchanged; a shared root: the host name; the setting or
+    $CLAWFLOW_REPLICA_ID wins; anything unsafe in a file name is replaced."""
+    import socket
+
+    from clawflow.store.storage import replica_id
+
+    assert replica_id(StoreConfig()) is None
+    assert replica_id(StoreConfig(root="s3://b/p")) == socket.gethostname().replace("/", "_")[:64]
+    monkeypatch.setenv("CLAWFLOW_REPLICA_ID", "pod/7")
+    assert replica_id(StoreConfig(root="s3://b/p")) == "pod_7"
+    assert replica_id(StoreConfig(root="s3://b/p", replica_id="gw-2")) == "gw-2"
