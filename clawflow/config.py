@@ -312,6 +312,9 @@ class RegistryConfig(_Strict):
     tracking_uri: str | None = None  # None: sqlite:///$CLAWFLOW_HOME/mlflow.db
     experiment: str = "clawflow"
     cache_versions: int = Field(3, ge=1)  # checkpoints fetched from a tracking server kept locally
+    # Gateway replicas behind a load balancer: each checks `champion` this often and serves it when
+    # it moves (clawflow/serving/follow.py); None: only /admin/reload changes what is served
+    follow_champion_s: float | None = Field(None, gt=0)
 
 
 class ServicesConfig(_Strict):

@@ -78,7 +78,16 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         gw.sealer.start()
+        follower = None
+        if gw.cfg.registry.follow_champion_s and resolve is not None:  # replicas: serve what `champion` names
+            from clawflow.serving.follow import ChampionFollower
+
+            follower = ChampionFollower(gw.cfg, gw.engine, resolve, gw.cfg.registry.follow_champion_s,
+                                        on_reload=lambda *_: setattr(gw.counters, "reloads", gw.counters.reloads + 1))
+            follower.start()
         yield
+        if follower is not None:
+            follower.stop()
         gw.sealer.stop()  # every acknowledged turn ends in a sealed shard on a clean stop
         gw.engine.close()
 
