@@ -30,8 +30,8 @@ def send(cfg, n: int) -> list[str]:
                       headers={"Authorization": f"Bearer {cfg.serving.api_key}"}) as http:
         for _ in range(n):
             marker = f"m-{uuid.uuid4().hex}"
-            r = http.post("/v1/chat/completions", json={
-                "model": cfg.model.name, "max_tokens": 2, "messages": [{"role": "user", "content": f"remember {marker}"}]})
+            messages = [{"role": "user", "content": f"remember {marker}"}]
+            r = http.post("/v1/chat/completions", json={"model": cfg.model.name, "max_tokens": 2, "messages": messages})
             if r.status_code == 200 and r.json()["choices"][0]["finish_reason"]:
                 acked.append(marker)
     return acked

@@ -104,6 +104,9 @@ def test_replicas_seal_into_one_bucket_and_the_orchestrator_trains_from_it(tmp_p
     assert rewards == {"gw-a-s": 1.0, "gw-b-s": None}
     for folder in ("shards", "judgments", "env_rewards"):
         assert storage.list(folder), folder
+    from clawflow.store.privacy import export_sessions
+
+    assert export_sessions(cat, tmp_path / "export.jsonl", ["gw-b-s"]) == 2  # a user's data, from the bucket
 
 
 def test_a_name_taken_by_another_writer_is_never_overwritten(tmp_path, s3_store):

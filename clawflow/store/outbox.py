@@ -67,7 +67,8 @@ def publish(outbox: Path, storage: Storage) -> list[Published]:
         path.unlink()
         fsync_dir(path.parent)
         STORE.add(shards_uploaded=1)
-        done.append(Published(url.rsplit("/", 1)[-1].removesuffix(".parquet"), path.stem, url, len(created), bounds["min"].as_py(), bounds["max"].as_py()))
+        uploaded_id = url.rsplit("/", 1)[-1].removesuffix(".parquet")
+        done.append(Published(uploaded_id, path.stem, url, len(created), bounds["min"].as_py(), bounds["max"].as_py()))
     return done
 
 
