@@ -69,11 +69,12 @@ def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_mod
     rows, expected = [], []
     for i, (messages, hint) in enumerate(CONVERSATIONS):
         prompt = encode(tok, messages)
-        recorded = [tok.convert_tokens_to_ids("Hello")] * 4  # what the user corrected; never trained on
+        # what the user corrected; never trained on (no word in it, so it constrains no answer)
+        recorded = [tok.convert_tokens_to_ids(".")] * 4
         rows.append({"turn_id": f"t{i}", "prompt_token_ids": prompt, "response_token_ids": recorded,
                      "response_logprobs": [-1.0] * 4, "reward": -1.0, "hint": hint, "messages": json.dumps(messages),
                      "tools": None, "group_id": None, "policy_version": 0})
-        hinted = torch.tensor([teacher_prompt_ids(tok, messages, hint)])
+        hinted = torch.tensor([teacher_prompt_ids(tok, messages, hint, in_system=True)])
         with torch.no_grad():
             gen = base.generate(hinted, attention_mask=torch.ones_like(hinted), do_sample=False,
                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)

@@ -20,7 +20,8 @@ from clawflow.train.batch import Sample, collate, load_samples
 from clawflow.train.checkpoint import is_adapter
 from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.objective import Objective, sample_advantages
-from clawflow.train.teacher import teacher_prompt_ids
+from clawflow.train.rehearsal import load_rehearsal, pair_with_hints
+from clawflow.train.teacher import chat_prompt_ids, teacher_prompt_ids
 
 
 class InputError(Exception):
@@ -44,6 +45,7 @@ class Item:
     teacher_prompt: list[int] | None  # hint-augmented prompt; None = no OPD term / no rewrite
     rewrite: bool = False  # distill: `response` is replaced by the hinted policy's reply before training
     request: str = ""  # distill: the last user message's text (a rewrite must still answer it)
+    facts: tuple[str, ...] = ()  # rehearsal: a rewrite must state one of these (helpfulness.Question)
 
 
 def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample], tokenizer,
@@ -69,14 +71,32 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
         if not active[i]:
             continue
         uses = bool(hinted[i]) and (objective.needs_teacher or bool(rewrite[i]))
-        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools) if uses else None
+        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools, in_system=bool(rewrite[i])) \
+            if uses else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
                           float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i]),
                           last_user_text(s.messages) if rewrite[i] else ""))
+    rehearsed = rehearsal_items(cfg, [s.hint for i, s in enumerate(samples) if rewrite[i] and active[i]],
+                                tokenizer, len(samples), parent_version) if objective.rewrites else []
     counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
               "hint_without_messages": sum(1 for s in samples if s.hint and not s.messages),
-              "stale_dropped": int((weight == 0).sum())}
-    return items, counts
+              "stale_dropped": int((weight == 0).sum()), "rehearsal": len(rehearsed)}
+    return items + rehearsed, counts
+
+
+def rehearsal_items(cfg: TrainConfig, hints: list[str], tokenizer, first_index: int, parent_version: int) -> list[Item]:
+    """`train.rehearsal` general requests, each to be answered by the policy with one of this run's
+    correction hints in its prompt and learned from the plain prompt (train/rehearsal.py)."""
+    if not cfg.rehearsal or not hints or tokenizer is None:
+        return []
+    pairs = pair_with_hints(load_rehearsal(cfg.rehearsal_prompts), hints, cfg.rehearsal, cfg.seed + parent_version)
+    out = []
+    for k, (q, hint) in enumerate(pairs):
+        messages = [{"role": "user", "content": q.prompt}]
+        out.append(Item(first_index + k, chat_prompt_ids(tokenizer, messages), [], [], 0.0, 1.0,
+                        teacher_prompt_ids(tokenizer, messages, hint, in_system=True), True, q.prompt,
+                        tuple(q.facts)))
+    return out
 
 
 def last_user_text(messages: list[dict] | None) -> str:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from clawflow.config import ConfigError, TrainConfig, load_config
+from clawflow.helpfulness import Question
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
 from clawflow.train import optim
@@ -47,7 +48,7 @@ from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
-from clawflow.train.rewrite import addresses, eos_token_ids, generate_rewrites
+from clawflow.train.rewrite import addresses, eos_token_ids, generate_rewrites, keeps_answer
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
@@ -117,20 +118,20 @@ class Recipe:
                                         eos_token_ids(model), self.pad_id)
             replies = D.broadcast_from_rank0(replies)
             done.update(zip((it.index for it in missing), replies))
-            self._log(f"clawflow.train: rewrote {len(missing)} corrected replies with their hints in "
+            self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with hints in "
                       f"{time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
-        eos = eos_token_ids(model)
-        for it in todo:
-            it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
-        # a rewrite with no content, or one that no longer answers the request, would teach the
-        # student to say nothing or to apologize
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.base_dir)
-        off = {it.index for it in todo if not any(t not in eos for t in it.response)
-               or not addresses(it.request, tok.decode(it.response, skip_special_tokens=True))}
+        eos, off = eos_token_ids(model), set()
+        for it in todo:
+            recorded = tok.decode(it.response, skip_special_tokens=True)
+            it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
+            if not usable_rewrite(it, tok.decode(it.response, skip_special_tokens=True), recorded, eos):
+                off.add(it.index)
         if off:
-            self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty or off the request)")
+            self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty, off the request, "
+                      f"or without the answer)")
         self.items = [it for it in self.items if it.index not in off]
         if not self.items:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
@@ -293,6 +294,16 @@ class Recipe:
     def _log(self, line: str) -> None:
         if self.rank == 0:
             print(line, flush=True)
+
+
+def usable_rewrite(it: Item, text: str, recorded: str, eos: set[int]) -> bool:
+    """A rewrite is learned only if it says something, still answers the request, and keeps the
+    answer: a rehearsal question's key fact, or the recorded reply's answer words (train/rewrite.py)."""
+    if not any(t not in eos for t in it.response) or not addresses(it.request, text):
+        return False
+    if it.facts:
+        return Question(it.request, list(it.facts)).stated_in(text)
+    return keeps_answer(it.request, recorded, text)
 
 
 def main(argv: list[str] | None = None) -> int:
