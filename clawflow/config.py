@@ -217,6 +217,11 @@ class TrainConfig(_Strict):
     # pushing sampled replies down is what drove SmolLM2 into non-answers (issue #15)
     negative_weight: float = Field(1.0, ge=0.0)
     rewrite_max_tokens: int = Field(128, ge=1)  # longest rewritten reply
+    # distill: general questions per run answered by the policy with one of the run's correction hints,
+    # learned when they still state their key fact (train/rehearsal.py); 0 = off.
+    # Questions: default configs/train/rehearsal.yaml
+    rehearsal: int = Field(0, ge=0)
+    rehearsal_prompts: Path | None = None
     teacher: Literal["policy", "base"] = "policy"  # OPD teacher: the served policy (bench/opd_teacher.py), or the base
     opd_clip: float | None = Field(None, gt=0)  # bound |teacher - old| per token
     group_norm: bool = True  # GRPO (r - mean) / std within a group of samples of one prompt
