@@ -97,6 +97,10 @@ def status(config: Optional[Path] = ConfigOpt) -> None:
         served = "gateway not running"
     table.add_row("gateway", cfg.gateway_url)
     table.add_row("served policy", served)
+    if cfg.store.root:  # shared storage: where the shards go, and what this host has not uploaded yet
+        from clawflow.store.outbox import waiting
+
+        table.add_row("store", f"{escape(cfg.store.root)} ({waiting(cfg.home)} sealed shards waiting to upload)")
     try:
         stats = Catalog.for_config(cfg).stats()  # shards wherever store.root puts them
         table.add_row("shards", str(stats["shards"]))

@@ -209,8 +209,9 @@ def open_store(home: Path, store_cfg: StoreConfig) -> tuple[SegmentWriter, Seale
             remove_stale_temps(shards_dir)
         recover_open_segments(wal_dir)
         recovered = seal_closed(wal_dir, shards_dir, home, store_cfg.row_group_rows, announce=False)
-    if recovered and not storage.remote:  # outbox shards are announced once the sealer uploads them
+    if recovered:
         log.info("sealed %d leftover segment(s), %d turns", len(recovered), sum(s.rows for s in recovered))
+    if recovered and not storage.remote:  # outbox shards are announced once the sealer uploads them
         # announced off the startup path: emitting imports Prefect (seconds); the catalog, not the
         # event, is the record of what is pending, so an event lost to another crash loses no turn
         threading.Thread(target=lambda: [announce_shard(s) for s in recovered], name="clawflow-announce",
