@@ -6,8 +6,11 @@ judgments and env rewards from there; a damaged object refused. The default stay
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from _object_store import s3_endpoint, s3_store  # noqa: F401 - fixtures
 
@@ -142,20 +145,61 @@ def test_a_damaged_shard_is_quarantined_not_read(tmp_path, s3_store):
     assert b"do not match the checksum" in storage.fs.cat_file(reason.path)
 
 
-def test_rewrites_say_they_are_not_supported_on_an_object_store(tmp_path, s3_store):
-    """Compaction (an optimization) is skipped; a retention policy or a forget request that
-    cannot be carried out there is an error that says so, never a silent no-op."""
-    from clawflow.store.maintenance import apply_retention, compact
+def test_forget_reaches_the_object_store_and_shards_uploaded_later(tmp_path, s3_store):
+    """`forget` on the orchestrator: the session leaves the shards, judgments and samples in the
+    bucket; a shard a gateway sealed before the forget and uploads after it loses the session's
+    turns before the catalog registers it. Compaction (an optimization) is skipped there."""
+    orch = tmp_path / "orchestrator"
+    orch.mkdir()
+    from clawflow.feedback import SAMPLE_SCHEMA, keep_samples
+    from clawflow.store.maintenance import compact
     from clawflow.store.privacy import forget_session
-    from clawflow.store.storage import StorageError
 
-    cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
+    cfg = store_cfg(s3_store, replica_id="gw")
+    writer, sealer = open_store(tmp_path / "gw", cfg)
+    for i in range(2):
+        writer.append(turn("alice", i))
+        writer.append(turn("bob", i))
+    sealer.seal_all()
+    late_writer, late_sealer = open_store(tmp_path / "late", store_cfg(s3_store, replica_id="late"))
+    late_writer.append(turn("alice", 2))  # acknowledged before the forget, uploaded after it
+    late_writer.append(turn("bob", 2))
+
+    cat, storage = orchestrator(orch, cfg), Storage.from_store(orch, cfg)
+    ids = {r["session_id"]: r["turn_id"] for r in cat.pending_pairs(10)}
+    JudgmentStore(orch, storage).append([{"turn_id": t, "session_id": s, "judge": "j", "judge_version": "1",
+                                          "score": 1, "votes": [1]} for s, t in ids.items()])
+    pq.write_table(pa.Table.from_pylist([{"turn_id": t} for t in ids.values()], schema=SAMPLE_SCHEMA),
+                   orch / "samples.parquet")
+    keep_samples(storage, "run-1", orch / "samples.parquet")
+
+    report = forget_session(cat, "alice")
+    assert (report.turns, report.judgments, report.samples) == (2, 1, 1), report
+    rows = [r for e in storage.list("shards") for r in storage.read_table(e.path).to_pylist()]
+    assert sorted(r["session_id"] for r in rows) == ["bob", "bob"]
+    judged = [r["session_id"] for e in storage.list("judgments") for r in storage.read_table(e.path).to_pylist()]
+    assert judged == ["bob"]
+    assert storage.read_table(storage.join("runs", "run-1", "samples.parquet"))["turn_id"].to_pylist() == [ids["bob"]]
+
+    late_sealer.seal_all()  # the late gateway uploads alice's turn 2 (and bob's)
+    assert cat.sync()["registered"] == 1
+    rows = [r for e in storage.list("shards") for r in storage.read_table(e.path).to_pylist()]
+    assert sorted(r["session_id"] for r in rows) == ["bob"] * 3 and cat.stats()["turns"] == 3
     assert compact(cat, 1 << 20) == []
-    assert apply_retention(cat, None, None).deleted == 0  # no policy: nothing to do anywhere
-    with pytest.raises(StorageError, match="not supported on an object-store root"):
-        apply_retention(cat, 30.0, None)
-    with pytest.raises(StorageError, match="not supported on an object-store root"):
-        forget_session(cat, "s")
+
+
+def test_retention_on_an_object_store(tmp_path, s3_store):
+    from clawflow.store.maintenance import apply_retention
+
+    writer, sealer = open_store(tmp_path / "gw", store_cfg(s3_store, replica_id="gw"))
+    old = turn("evals", 0)
+    old.turn_type, old.created_at = "side", datetime.now(UTC) - timedelta(days=40)
+    writer.append(old)
+    writer.append(turn("user", 0))
+    sealer.seal_all()
+    cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
+    assert apply_retention(cat, 30.0, None).deleted == 1  # the old side turn; the untrained main turn stays
+    assert cat.stats()["turns"] == 1 and cat.sync() == {"registered": 0, "quarantined": 0, "removed": 0}
 
 
 def test_concurrent_catalog_connections_share_the_store(tmp_path, s3_store):

@@ -40,8 +40,9 @@ from clawflow.store import journal, queries
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
 from clawflow.store.record import sql_columns
-from clawflow.store.shards import CorruptShard, FutureShard, inspect_shard, quarantine, shard_files
+from clawflow.store.shards import CorruptShard, FutureShard, inspect_shard, quarantine, shard_bytes, shard_files
 from clawflow.store.storage import ChecksumMismatch, Storage
+from clawflow.store.tombstones import forgotten, load_tombstones
 
 log = logging.getLogger("clawflow.store.catalog")
 
@@ -137,7 +138,13 @@ class Catalog:
                 if known.get(rel) == (mtime, size):
                     continue
                 try:
-                    self.register(con, path, mtime)
+                    if not self.storage.remote:
+                        self.register(con, path, mtime)
+                    elif (found := self._without_forgotten(path, *self._inspect(path), mtime)) is not None:
+                        self.register(con, path, found[2], found[:2])
+                    else:  # every turn in it was forgotten: the object is gone
+                        self.unregister(con, [rel])
+                        continue
                 except FutureShard as exc:
                     log.warning("skipping %s", exc)
                     continue
@@ -149,10 +156,12 @@ class Catalog:
                 counts["registered"] += 1
         return counts
 
-    def register(self, con: duckdb.DuckDBPyConnection, path: Path | str, listed_mtime: float | None = None) -> None:
+    def register(self, con: duckdb.DuckDBPyConnection, path: Path | str, listed_mtime: float | None = None,
+                 inspected: tuple | None = None) -> None:
         """Validate the shard at `path` (CorruptShard, FutureShard) and (re)load its keys;
-        `listed_mtime`: its modification time as listed (an object's, which the bytes lack)."""
-        info, table = self._inspect(path)
+        `listed_mtime`: its modification time as listed (an object's, which the bytes lack);
+        `inspected`: `inspect_shard`'s answer when the caller already has it."""
+        info, table = inspected if inspected is not None else self._inspect(path)
         rel = self.rel(path)
         keys = table.select(list(_KEY_COLUMNS)).append_column(
             "tokens", pc.add(table["prompt_tokens"], table["response_tokens"]))
@@ -195,6 +204,26 @@ class Catalog:
         except FileNotFoundError as exc:
             raise CorruptShard(f"vanished while being read: {exc}") from exc
         return inspect_shard(path, data=pa.py_buffer(data))
+
+    def _without_forgotten(self, path: str, info, table, mtime: float) -> tuple | None:
+        """An object-store shard that arrived after a `forget` (sealed on a gateway host before it
+        heard of it, uploaded later) loses the forgotten sessions' turns before it is registered:
+        (info, table, mtime) of what remains, or None when nothing did (the object is deleted).
+        On a local root the sealer, in the same home, already dropped them."""
+        tombstones = load_tombstones(self.home)
+        if not tombstones or not table.num_rows:
+            return info, table, mtime
+        gone = [forgotten(tombstones, s, at) for s, at in
+                zip(table["session_id"].to_pylist(), table["created_at"].to_pylist())]
+        if not any(gone):
+            return info, table, mtime
+        kept = table.filter(pa.array([not g for g in gone]))
+        log.info("dropped %d turns of forgotten sessions from %s", len(gone) - kept.num_rows, path)
+        if not kept.num_rows:
+            self.storage.delete(path)
+            return None
+        self.storage.replace_bytes(shard_bytes(kept), path)
+        return *self._inspect(path), self.storage.mtime(path)
 
     def _quarantine(self, path: Path | str, rel: str, reason: str) -> None:
         if not self.storage.remote:

@@ -29,9 +29,8 @@ import pyarrow.compute as pc
 from clawflow.store import journal
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
-from clawflow.store.record import ARROW_SCHEMA
-from clawflow.store.shards import read_shard, stage_parquet, write_shard
-from clawflow.store.storage import StorageError
+from clawflow.store.record import ARROW_SCHEMA, upgrade_table
+from clawflow.store.shards import read_shard, shard_bytes, stage_parquet, write_shard
 from clawflow.store.wal import fsync_dir
 
 log = logging.getLogger("clawflow.store.maintenance")
@@ -61,16 +60,10 @@ def _groups(shards: list[tuple[str, int]], target_bytes: int) -> list[list[str]]
     return [g for g in groups if len(g) > 1]
 
 
-def local_only(cat: Catalog, what: str) -> None:
-    """Rewriting shards goes through the local journal and renames: not (yet) for an object store."""
-    if cat.storage.remote:
-        raise StorageError(f"{what} rewrites shards in place, which is not supported on an object-store root "
-                           f"({cat.storage.root}) yet; use a local or mounted `store.root` for it")
-
-
 def compact(cat: Catalog, target_bytes: int, row_group_rows: int = 122_880) -> list[Compacted]:
     """Merge small shards; the new shards."""
-    if cat.storage.remote:  # an optimization only: skipped, never an error, where it cannot run yet
+    if cat.storage.remote:  # an optimization only: merging N objects into one crash-safely needs a
+        # journal of object keys (journal.py renames local files); skipped, never an error
         log.info("compaction skipped: not supported on an object-store root (%s) yet", cat.storage.root)
         return []
     done = []
@@ -93,7 +86,10 @@ def compact(cat: Catalog, target_bytes: int, row_group_rows: int = 122_880) -> l
 
 def rewrite_without(cat: Catalog, con, rels: set[str], drop_ids: set[str], row_group_rows: int = 122_880) -> int:
     """Rewrite each shard (relative path) without the turns `drop_ids`, atomically in place (an
-    emptied shard is deleted); re-registers them. Call under the store lock. Turns removed."""
+    emptied shard is deleted); re-registers them. Call under the store lock. Turns removed.
+    On an object store each shard object is replaced whole (see Storage.rewrite_parquet)."""
+    if cat.storage.remote:
+        return _rewrite_objects_without(cat, con, rels, drop_ids, row_group_rows)
     removed = 0
     for rel in sorted(rels):
         path = cat.shards_dir / rel
@@ -121,12 +117,28 @@ class RetentionReport:
     bytes_after: int
 
 
+def _rewrite_objects_without(cat: Catalog, con, rels: set[str], drop_ids: set[str], row_group_rows: int) -> int:
+    removed = 0
+    for rel in sorted(rels):
+        path = cat.shard_path(rel)
+        table = upgrade_table(cat.storage.read_table(path))
+        kept = table.filter(pc.invert(pc.is_in(table["turn_id"], value_set=pa.array(sorted(drop_ids), pa.string()))))
+        removed += table.num_rows - kept.num_rows
+        if kept.num_rows == table.num_rows:
+            continue
+        if kept.num_rows == 0:
+            cat.storage.delete(path)
+            cat.unregister(con, [rel])
+        else:
+            cat.storage.replace_bytes(shard_bytes(kept, row_group_rows), str(path))
+            cat.register(con, path, cat.storage.mtime(path))
+    return removed
+
+
 def apply_retention(cat: Catalog, days: float | None, max_bytes: int | None,
                     registered_versions: Collection[int] | None = None, now: datetime | None = None,
                     row_group_rows: int = 122_880) -> RetentionReport:
     """Delete what the policy allows (see the module docstring)."""
-    if days is not None or max_bytes is not None:
-        local_only(cat, "retention")
     now = now or datetime.now(UTC)
     with cat.connect() as con, store_lock(cat.home):
         before = con.execute("SELECT coalesce(sum(bytes), 0)::BIGINT FROM shards").fetchall()[0][0]

@@ -7,6 +7,12 @@ column values; nothing here (or anywhere in the store) builds a file name from o
 closed WAL segments, the catalog (its consumed and claimed rows), the judge's Parquet files, and
 the training samples of past runs (`runs/*/samples.parquet`). A tombstone makes the sealer drop
 the session's turns still in the gateway's active segment (see tombstones.py).
+
+With an object-store root, the shards, judgments and samples copies in the store are rewritten
+there (each object replaced whole). Gateways on other hosts keep their own WAL and outbox: their
+turns of the session reach the store later, and the catalog drops them before registering
+(Catalog._without_forgotten), so they are never read; they sit in those hosts' outboxes until
+uploaded.
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
-from clawflow.store.maintenance import local_only, rewrite_without
+from clawflow.store.maintenance import rewrite_without
 from clawflow.store.record import ARROW_SCHEMA, JSON_FIELDS
 from clawflow.store.shards import TMP_SUFFIX, write_parquet_atomic
+from clawflow.store.storage import Storage
 from clawflow.store.tombstones import add_tombstone
 from clawflow.store.wal import closed_segments, fsync_dir
 
@@ -86,7 +92,6 @@ def _write_jsonl(table: pa.Table, out: Path) -> None:
 
 def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) -> ForgetReport:
     """Remove every stored turn of `session_id` created up to `at` (now) from everywhere."""
-    local_only(cat, "forget")
     home = cat.home
     add_tombstone(home, session_id, at)  # first: a seal racing us drops the session too
     with cat.connect() as con, store_lock(home):
@@ -100,8 +105,13 @@ def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) ->
                                             {"ids": ids}).fetchall())
         con.execute("CHECKPOINT").fetchall()  # deleted rows leave the WAL file now, not later
         wal = _forget_in_segments(home / "wal", session_id)
-        judgments = sum(_drop_rows(p, session_id, ids) for p in sorted(Path(cat.storage.join("judgments")).glob("*.parquet")))
-        samples = sum(_drop_rows(p, None, ids) for p in sorted((home / "runs").glob("*/samples.parquet")))
+        storage = cat.storage  # the storage root: local, or the object store every host shares
+        judgments = sum(_drop_rows(storage, e.path, session_id, ids) for e in storage.list("judgments"))
+        local = Storage(home)  # the trainer's own copies of past batches
+        samples = sum(_drop_rows(local, p, None, ids) for p in sorted((home / "runs").glob("*/samples.parquet")))
+        if storage.remote:  # the copies kept beside the shards (feedback.keep_samples)
+            samples += sum(_drop_rows(storage, e.path, None, ids) for e in storage.list("runs")
+                           if e.rel.endswith("/samples.parquet"))
     report = ForgetReport(removed, len(files), wal, judgments, samples, catalog_rows)
     log.info("forgot a session: %s", report)
     return report
@@ -132,9 +142,9 @@ def _forget_in_segments(wal_dir: Path, session_id: str) -> int:
     return removed
 
 
-def _drop_rows(path: Path, session_id: str | None, turn_ids: list[str]) -> int:
+def _drop_rows(storage: Storage, path: Path | str, session_id: str | None, turn_ids: list[str]) -> int:
     """Rewrite a Parquet file (keeping its schema) without rows of the session or those turn ids."""
-    table = pq.read_table(path)
+    table = storage.read_table(path)
     mask = pc.is_in(table["turn_id"], value_set=pa.array(turn_ids, pa.string())) if "turn_id" in table.column_names \
         else pa.array([False] * table.num_rows)
     if session_id is not None and "session_id" in table.column_names:
@@ -142,5 +152,5 @@ def _drop_rows(path: Path, session_id: str | None, turn_ids: list[str]) -> int:
     mask = pc.fill_null(mask, False)
     n = pc.sum(mask).as_py() or 0
     if n:
-        write_parquet_atomic(table.filter(pc.invert(mask)), path)
+        storage.rewrite_parquet(table.filter(pc.invert(mask)), path)
     return n

@@ -9,6 +9,7 @@ newer clawflow is left where it is and skipped (it is not corrupt, just not ours
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -67,6 +68,14 @@ def write_parquet_atomic(table: pa.Table, path: Path, row_group_rows: int = 122_
 def write_shard(table: pa.Table, path: Path, row_group_rows: int = 122_880) -> None:
     """A turn table in the current schema (with its version in the metadata), atomically."""
     write_parquet_atomic(table.cast(ARROW_SCHEMA), path, row_group_rows)
+
+
+def shard_bytes(table: pa.Table, row_group_rows: int = 122_880) -> bytes:
+    """A turn table as a shard file's bytes (for an object store), as `write_shard` writes it."""
+    buf = io.BytesIO()
+    pq.write_table(table.cast(ARROW_SCHEMA), buf, compression="zstd", row_group_size=row_group_rows,
+                   write_page_checksum=True)
+    return buf.getvalue()
 
 
 def read_shard(path: Path) -> pa.Table:

@@ -182,6 +182,41 @@ class Storage:
         pq.write_table(table, buf, compression="zstd", write_page_checksum=True)
         return self.put_bytes(buf.getvalue(), rel)
 
+    def read_table(self, path: Path | str) -> pa.Table:
+        """A Parquet file of this root (an object's checksum verified)."""
+        return pq.read_table(path) if not self.remote else pq.read_table(pa.BufferReader(self.read_bytes(path)))
+
+    def rewrite_parquet(self, table: pa.Table, path: Path | str) -> None:
+        """Replace an existing file with `table` (forget, retention: the orchestrator removing rows).
+        Locally a temp file and a rename; on an object store a plain put, which replaces an object
+        whole (readers see the old or the new one), with the new checksum."""
+        if not self.remote:
+            write_parquet_atomic(table, Path(path))
+            return
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd", write_page_checksum=True)
+        self.replace_bytes(buf.getvalue(), str(path))
+
+    def replace_bytes(self, data: bytes, url: str) -> None:
+        self.fs.pipe_file(url, data, Metadata={SHA_KEY: hashlib.sha256(data).hexdigest()})
+
+    def delete(self, path: Path | str) -> None:
+        if self.remote:
+            self.fs.rm_file(str(path))
+        else:
+            Path(path).unlink(missing_ok=True)
+
+    def mtime(self, path: Path | str) -> float:
+        """As `list` reports it (an object's LastModified)."""
+        if not self.remote:
+            return Path(path).stat().st_mtime
+        folder, name = str(path).rsplit("/", 1)
+        rel = folder.removeprefix(f"{self.root}/")
+        match = [e for e in self.list(rel, suffix=name) if str(e.path) == str(path)]  # listed: same precision
+        if not match:
+            raise FileNotFoundError(path)
+        return match[0].mtime
+
     def move(self, src: Path | str, rel: str) -> Path | str:
         """Move a file of this root to `rel` (quarantine); its new path."""
         dst = self.join(rel)
