@@ -148,11 +148,10 @@ def test_a_damaged_shard_is_quarantined_not_read(tmp_path, s3_store):
 def test_forget_reaches_the_object_store_and_shards_uploaded_later(tmp_path, s3_store):
     """`forget` on the orchestrator: the session leaves the shards, judgments and samples in the
     bucket; a shard a gateway sealed before the forget and uploads after it loses the session's
-    turns before the catalog registers it. Compaction (an optimization) is skipped there."""
+    turns before the catalog registers it."""
     orch = tmp_path / "orchestrator"
     orch.mkdir()
     from clawflow.feedback import SAMPLE_SCHEMA, keep_samples
-    from clawflow.store.maintenance import compact
     from clawflow.store.privacy import forget_session
 
     cfg = store_cfg(s3_store, replica_id="gw")
@@ -185,7 +184,6 @@ def test_forget_reaches_the_object_store_and_shards_uploaded_later(tmp_path, s3_
     assert cat.sync()["registered"] == 1
     rows = [r for e in storage.list("shards") for r in storage.read_table(e.path).to_pylist()]
     assert sorted(r["session_id"] for r in rows) == ["bob"] * 3 and cat.stats()["turns"] == 3
-    assert compact(cat, 1 << 20) == []
 
 
 def test_retention_on_an_object_store(tmp_path, s3_store):
@@ -227,3 +225,38 @@ def test_replica_id_defaults(monkeypatch):
     monkeypatch.setenv("CLAWFLOW_REPLICA_ID", "pod/7")
     assert replica_id(StoreConfig(root="s3://b/p")) == "pod_7"
     assert replica_id(StoreConfig(root="s3://b/p", replica_id="gw-2")) == "gw-2"
+
+
+def test_compaction_on_an_object_store_finishes_after_a_crash(tmp_path, s3_store, monkeypatch):
+    """Small shard objects merged: staged, committed by the local journal, swapped in. A crash
+    after the commit point is finished by the next sync (no turn lost or doubled); an object
+    staged by a merge that never committed is removed."""
+    from clawflow.store import journal
+    from clawflow.store.maintenance import compact
+
+    cfg = store_cfg(s3_store, replica_id="gw")
+    writer, sealer = open_store(tmp_path / "gw", cfg)
+    for i in range(4):
+        writer.append(turn("s", i))
+        sealer.seal_all()
+    cat = orchestrator(tmp_path / "orchestrator", cfg)
+    storage = cat.storage
+    assert cat.stats()["shards"] == 4
+
+    def crash(*_):
+        raise SystemExit("killed after the commit point")
+
+    monkeypatch.setattr(journal, "_finish_objects", crash)
+    with pytest.raises(SystemExit):
+        compact(cat, 1 << 20)
+    assert len(storage.list("shards")) == 4 and len(storage.list("staging")) == 1
+    monkeypatch.undo()
+    orphan = storage.put_bytes(b"never committed", "staging/orphan.parquet")
+
+    assert cat.stats()["shards"] == 1  # the sync recovered: merged in, inputs and staged copies gone
+    assert not storage.list("staging") and not storage.exists(orphan)
+    rows = [r for e in storage.list("shards") for r in storage.read_table(e.path).to_pylist()]
+    assert sorted(r["turn_index"] for r in rows) == [0, 1, 2, 3] and cat.stats()["turns"] == 4
+    writer.append(turn("s", 4))
+    sealer.seal_all()
+    assert [c.inputs for c in compact(cat, 1 << 20)] == [2] and cat.stats()["turns"] == 5

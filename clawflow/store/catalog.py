@@ -119,7 +119,7 @@ class Catalog:
     def _sync(self, con: duckdb.DuckDBPyConnection) -> dict[str, int]:
         counts = {"registered": 0, "quarantined": 0, "removed": 0}
         with store_lock(self.home):
-            journal.recover(self.home)
+            journal.recover(self.home, self.storage)
             known = {p: (m, b) for p, m, b in con.execute("SELECT path, mtime, bytes FROM shards").fetchall()}
             if self.storage.remote:
                 on_disk = {e.rel: (e.path, e.mtime, e.size) for e in self.storage.list("shards")}

@@ -38,7 +38,7 @@ log = logging.getLogger("clawflow.store.maintenance")
 
 @dataclass(frozen=True)
 class Compacted:
-    path: Path
+    path: Path | str  # an object's URL on an object-store root
     inputs: int
     rows: int
 
@@ -62,10 +62,8 @@ def _groups(shards: list[tuple[str, int]], target_bytes: int) -> list[list[str]]
 
 def compact(cat: Catalog, target_bytes: int, row_group_rows: int = 122_880) -> list[Compacted]:
     """Merge small shards; the new shards."""
-    if cat.storage.remote:  # an optimization only: merging N objects into one crash-safely needs a
-        # journal of object keys (journal.py renames local files); skipped, never an error
-        log.info("compaction skipped: not supported on an object-store root (%s) yet", cat.storage.root)
-        return []
+    if cat.storage.remote:
+        return _compact_objects(cat, target_bytes, row_group_rows)
     done = []
     with cat.connect() as con, store_lock(cat.home):
         small = con.execute("SELECT path, bytes FROM shards WHERE bytes < $half ORDER BY path, first_at",
@@ -81,6 +79,26 @@ def compact(cat: Catalog, target_bytes: int, row_group_rows: int = 122_880) -> l
             cat.register(con, out)
             done.append(Compacted(out, len(inputs), table.num_rows))
             log.info("compacted %d shards (%d turns) into %s", len(inputs), table.num_rows, out.name)
+    return done
+
+
+def _compact_objects(cat: Catalog, target_bytes: int, row_group_rows: int) -> list[Compacted]:
+    """`compact` on an object store: the merged shard staged, then swapped in by the journal."""
+    done = []
+    with cat.connect() as con, store_lock(cat.home):
+        small = con.execute("SELECT path, bytes FROM shards WHERE bytes < $half ORDER BY path, first_at",
+                            {"half": target_bytes // 2}).fetchall()
+        for group in _groups(small, target_bytes):
+            inputs = [str(cat.shard_path(rel)) for rel in group]
+            table = pa.concat_tables([upgrade_table(cat.storage.read_table(p)) for p in inputs])
+            table = table.sort_by([("created_at", "ascending"), ("turn_id", "ascending")])
+            out = str(cat.shard_path(f"{group[0].removesuffix('.parquet')}-c{uuid.uuid4().hex[:8]}.parquet"))
+            staged = cat.storage.put_bytes(shard_bytes(table, row_group_rows), f"staging/{uuid.uuid4().hex}.parquet")
+            journal.replace_objects(cat.home, cat.storage, staged, out, inputs)
+            cat.unregister(con, group)
+            cat.register(con, out, cat.storage.mtime(out))
+            done.append(Compacted(out, len(inputs), table.num_rows))
+            log.info("compacted %d shard objects (%d turns) into %s", len(inputs), table.num_rows, out)
     return done
 
 

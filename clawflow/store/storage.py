@@ -14,6 +14,8 @@ On an object store:
 - Putting the same bytes again (a crash after the upload, before the local copy was deleted)
   finds the object with the same checksum: a success, not a duplicate. Other bytes under the
   same name mean two writers chose one name: ObjectExists, and the caller picks another name.
+- The one writer that replaces objects is the orchestrator, for `forget` and retention
+  (`rewrite_parquet`, `replace_bytes`): a PUT replaces an object whole, readers see either.
 - DuckDB reads the objects through this same fsspec filesystem (`register_filesystem`), not its
   httpfs extension: DuckDB downloads extensions from its own site at run time, which hosts
   without that access (these machines) cannot, and one set of options then serves both readers.
@@ -199,6 +201,12 @@ class Storage:
 
     def replace_bytes(self, data: bytes, url: str) -> None:
         self.fs.pipe_file(url, data, Metadata={SHA_KEY: hashlib.sha256(data).hexdigest()})
+
+    def exists(self, path: Path | str) -> bool:
+        if not self.remote:
+            return Path(path).exists()
+        self.fs.invalidate_cache(str(path))
+        return self.fs.exists(str(path))
 
     def delete(self, path: Path | str) -> None:
         if self.remote:
