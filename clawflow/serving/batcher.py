@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
@@ -39,7 +40,7 @@ import torch
 
 from clawflow.serving.engine import Generation, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
-from clawflow.serving.rewarm import BUSY_CHUNK, IDLE_CHUNK, RewarmJob, RewarmResult
+from clawflow.serving.rewarm import BUSY_CHUNK, WHOLE, RewarmJob, RewarmResult
 
 if TYPE_CHECKING:
     from clawflow.serving.engine import TorchEngine, _Policy
@@ -129,8 +130,6 @@ class Batcher:
             fut: Future = Future()
             fut.set_result(RewarmResult([], 0, 0.0, True))
             return fut
-        import time
-
         job = RewarmJob(policy, budget_tokens, time.monotonic() + max_s, self.prefix.max_tokens,
                         self.prefix.min_tokens)
         with self._cv:
@@ -149,13 +148,21 @@ class Batcher:
         `policy` prefills its first request. Call before `policy` starts serving."""
         self._staged = (weakref.ref(policy), entries) if entries else None
 
-    def _rewarm_step(self) -> None:
+    def _rewarm_step(self, work_s: float) -> None:
+        """One chunk, unless requests are active and the job has had its half of the thread's time
+        (`work_s`: this iteration's seconds of request work)."""
         job = self._rewarm
         try:
             if not job.started:  # which prompts are hot is read here: the cache is this thread's
                 owner = self._prefix_owner
                 job.begin(self.prefix.hottest(owner[1]) if owner is not None else [])
-            done = job.step(BUSY_CHUNK if self._batches or self._waiting else IDLE_CHUNK)
+            if self._batches or self._waiting:
+                job.owed += work_s
+                if job.spent > job.owed:
+                    return
+                done = job.step(BUSY_CHUNK)
+            else:
+                done = job.step(WHOLE)
         except Exception as exc:  # out of memory, anything: the reload goes ahead cold
             log.warning("re-warm of v%s failed: %s: %s", job.policy.version, exc.__class__.__name__, exc)
             job.fail(exc)
@@ -182,6 +189,7 @@ class Batcher:
                         else:
                             self.aborted += 1
                     self._running += len(admit)
+                t0 = time.perf_counter()
                 for row in admit:
                     self._guard([row], lambda r=row: self._prefill(r))
                 for version, batch in list(self._batches.items()):
@@ -190,8 +198,8 @@ class Batcher:
                         del self._batches[version]  # an old version's model is freed with its last request
                         if self.prefix is not None and version != self.engine._policy.version:
                             self.prefix.drop_version(version)  # and so is its KV
-                if self._rewarm is not None:  # one chunk per iteration: the old version keeps serving
-                    self._rewarm_step()
+                if self._rewarm is not None:  # a chunk at most per iteration: the old version keeps serving
+                    self._rewarm_step(time.perf_counter() - t0)
 
     def _guard(self, rows: list[_Row], fn) -> None:
         try:

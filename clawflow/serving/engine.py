@@ -155,7 +155,8 @@ class TorchEngine:
             self.batcher.cancel_rewarm()  # a time-out: stop it at its next chunk, keep nothing
             log.warning("re-warm of v%s failed after %.1fs, swapping cold: %s: %s", policy.version,
                         time.perf_counter() - t0, exc.__class__.__name__, exc)
-            return {"ok": False, "error": f"{exc.__class__.__name__}: {exc}", "seconds": round(time.perf_counter() - t0, 3)}
+            return {"ok": False, "error": f"{exc.__class__.__name__}: {exc}",
+                    "seconds": round(time.perf_counter() - t0, 3)}
         self.batcher.adopt(policy, res.entries)
         info = {"ok": True, "prompts": len(res.entries), "tokens": sum(len(t) for t, _ in res.entries),
                 "prefilled": res.prefilled, "complete": res.complete, "seconds": round(time.perf_counter() - t0, 3)}

@@ -5,11 +5,17 @@ a reload follows every training run, so without this the user's next turn after 
 would prefill its whole agent prompt again (~16 s for OpenClaw's 7.7k tokens on 2 CPU cores).
 
 A `RewarmJob` runs on the batcher's decode thread, one chunk of prefill per loop iteration, between
-the old version's decode steps and prefills: the old version keeps serving meanwhile (its streams
-see one chunk's delay per step, never a whole prompt's), and the prefix cache stays a one-thread
-structure. The job's results go to its own staging `PrefixCache`, keyed by the new version, which
-also lets a later prompt reuse the re-warmed KV of an earlier one (agents share their system prompt:
-it is prefilled once). The engine installs the staged entries when it swaps; if the job fails (out
+the old version's decode steps and prefills: the old version keeps serving meanwhile, and the prefix
+cache stays a one-thread structure. When no request is active, a prompt is prefilled in one pass
+(SDPA's causal kernel: on 2 cores a 7.4k-token prompt took 67 s in one pass under load, 104 s in
+2k-token chunks, whose attention runs with an explicit mask over the whole past); a request that
+arrives meanwhile waits for that pass. While requests are active the job gets at most half of the
+thread's time: a BUSY_CHUNK runs only once the requests' work since the job started exceeds the
+job's own, so streams slow to about half speed and never stall behind a whole prompt.
+
+The job's results go to its own staging `PrefixCache`, keyed by the new version, which also lets a
+later prompt reuse the re-warmed KV of an earlier one (agents share their system prompt: it is
+prefilled once). The engine installs the staged entries when it swaps; if the job fails (out
 of memory, any exception), the swap goes ahead cold. At the deadline the job stops and keeps what it
 has: a prompt prefilled part-way is kept as the prefix it reached.
 """
@@ -26,8 +32,8 @@ import torch
 
 from clawflow.serving.prefix_cache import Layers, PrefixCache
 
-BUSY_CHUNK = 256  # tokens per decode-loop iteration while requests decode: ~0.5 s for SmolLM2 on 2 cores
-IDLE_CHUNK = 2048  # nobody waits on the loop: larger chunks, fewer KV copies
+BUSY_CHUNK = 256  # tokens per turn while requests are active (each chunk re-copies the KV so far: not tiny)
+WHOLE = 1 << 30  # idle: the rest of the prompt in one pass
 
 
 @dataclass
@@ -53,6 +59,8 @@ class RewarmJob:
         self._order: list[tuple[int, ...]] = []  # prompts staged, hottest first
         self._t0 = time.perf_counter()
         self.cancelled = False
+        self.spent = 0.0  # seconds this job has run
+        self.owed = 0.0  # seconds of request work the decode thread did while this job waited its turn
 
     def begin(self, prompts: list[tuple[int, ...]]) -> None:
         """The prompts to re-warm, hottest first (read by the decode thread, which owns the cache)."""
@@ -69,9 +77,11 @@ class RewarmJob:
             self._start(self.queue.popleft())
         end = min(self._done + chunk, len(self._tokens))
         ids = torch.tensor([self._tokens[self._done:end]])
+        t0 = time.perf_counter()
         # logits_to_keep=1: nothing samples from these logits; skip the lm_head over the chunk
         self.policy.model(ids, cache=self._cache, use_cache=True, logits_to_keep=1,
                           position_ids=torch.arange(self._done, end)[None])
+        self.spent += time.perf_counter() - t0
         self.prefilled += end - self._done
         self._done = end
         if end == len(self._tokens):
