@@ -87,6 +87,10 @@ class ServingConfig(_Strict):
     # prefill; 0 swaps cold. 8192 covers OpenClaw's ~7.7k-token agent prompt (~16 s on 2 CPU cores).
     rewarm_tokens: int = Field(8192, ge=0)
     rewarm_max_s: float = Field(60.0, gt=0)  # the most a reload waits for it; it keeps what it has
+    # torch engine's dtype. auto: a start-up probe times the model's matmuls in both (serving/dtype_probe.py)
+    # and serves bfloat16 only where it is clearly faster (CPUs with AVX512-BF16/AMX); elsewhere float32.
+    # An explicit model.dtype is honoured under auto.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
 class StoreConfig(_Strict):

@@ -184,7 +184,10 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
 
     @app.get("/admin/policy", dependencies=[Depends(require_admin)])
     async def policy() -> dict[str, Any]:
-        return {"version": gw.engine.policy_version, "path": gw.engine.model_path, "model": gw.cfg.model.name}
+        answer = {"version": gw.engine.policy_version, "path": gw.engine.model_path, "model": gw.cfg.model.name}
+        if (dtype := getattr(gw.engine, "dtype", None)) is not None:  # torch engine: what serving.dtype settled on
+            answer["dtype"] = str(dtype).removeprefix("torch.")
+        return answer
 
     @app.post("/admin/reload", dependencies=[Depends(require_admin)])
     async def reload(body: ReloadRequest):

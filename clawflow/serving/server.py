@@ -46,7 +46,7 @@ def build_app(cfg: Config):
 
         engine = SGLangEngine(s.sglang_url, path, version=version, max_batch=s.max_concurrency, max_queue=s.max_queue)
     else:
-        engine = TorchEngine(path, version=version, dtype=cfg.model.dtype, threads=s.threads,
+        engine = TorchEngine(path, version=version, dtype=serving_dtype(cfg, path), threads=s.threads,
                              max_batch=s.max_concurrency, max_queue=s.max_queue,
                              prefix_cache_tokens=s.prefix_cache_tokens,
                              prefix_cache_min_tokens=s.prefix_cache_min_tokens,
@@ -55,6 +55,23 @@ def build_app(cfg: Config):
     gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
     log.info("serving %s v%s from %s", cfg.model.name, version, path)
     return create_app(gw, resolve=lambda ref: _resolve_local(cfg, ref))
+
+
+def serving_dtype(cfg: Config, path: str) -> str:
+    """`serving.dtype`, with auto settled by the start-up probe on the model's own matmul shapes."""
+    from clawflow.serving.dtype_probe import choose
+
+    if cfg.serving.dtype == "auto" and "dtype" in cfg.model.model_fields_set:
+        return cfg.model.dtype  # set explicitly in the config: not second-guessed
+    if cfg.serving.dtype != "auto":
+        return cfg.serving.dtype
+    import torch
+    from transformers import AutoConfig
+
+    if cfg.serving.threads:  # measured on the threads it will serve with
+        torch.set_num_threads(cfg.serving.threads)
+    mc = AutoConfig.from_pretrained(path)
+    return choose("auto", mc.hidden_size, mc.intermediate_size)[0]
 
 
 def _resolve_local(cfg: Config, ref: int | str) -> tuple[int, str]:

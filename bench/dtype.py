@@ -1,0 +1,111 @@
+"""bf16 vs fp32 serving on this CPU: speed, and how far the recorded logprobs move.
+
+Side by side in one run, on SmolLM2-135M-Instruct in the embedded engine (one engine per dtype, no
+server): the start-up probe's verdict (clawflow/serving/dtype_probe.py: the model's MLP matmul at
+prefill and decode shapes), prefill tokens/s of a --prompt-tokens prompt, decode ms/token at batch
+1, and the honesty of the recorded logprobs: greedy replies served in bf16 (the logprobs the
+gateway would record) scored again by the fp32 model the trainer holds, per token: mean |Δ logprob|,
+its 99th percentile, the share beyond ln(train.tis_cap) (what truncated importance sampling can no
+longer correct), and how many greedy replies are the same in both dtypes.
+
+    .venv/bin/python bench/dtype.py [--replies 8 --max-tokens 48 --prompt-tokens 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+QUESTIONS = ["What is the capital of France?", "How do plants make food?", "Explain what a CPU cache is.",
+             "Give me three tips for sleeping better.", "Why is the sky blue?", "How do I boil an egg?",
+             "What does HTTP stand for?", "Write a haiku about autumn.", "What causes the seasons?",
+             "How does a bicycle stay upright?", "Summarize the plot of Romeo and Juliet.", "What is 17 times 23?"]
+
+
+@torch.inference_mode()
+def prefill_tok_s(model, n: int, reps: int = 2) -> float:
+    ids = torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model(ids, use_cache=True, logits_to_keep=1)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def decode_ms(engine, prompt: list[int], tokens: int = 32) -> float:
+    from clawflow.serving.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    g = engine.generate(prompt, SamplingParams(max_new_tokens=tokens, temperature=0.0))
+    return 1e3 * (time.perf_counter() - t0) / max(1, len(g.token_ids))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replies", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    from clawflow.config import REPO_ROOT, TrainConfig, load_config
+    from clawflow.models import base_model_dir
+    from clawflow.serving.dtype_probe import choose
+    from clawflow.serving.engine import SamplingParams, TorchEngine
+
+    path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
+    engines = {d: TorchEngine(path, dtype=d, prefix_cache_tokens=0) for d in ("float32", "bfloat16")}
+    mc = engines["float32"]._policy.model.config
+    picked, found = choose("auto", mc.hidden_size, mc.intermediate_size)
+    speed = {}
+    for d, e in engines.items():
+        e.generate(e.encode_chat([{"role": "user", "content": "hi"}]), SamplingParams(max_new_tokens=2))
+        speed[d] = (prefill_tok_s(e._policy.model, args.prompt_tokens),
+                    decode_ms(e, e.encode_chat([{"role": "user", "content": QUESTIONS[0]}])))
+
+    fp32, bf16 = engines["float32"], engines["bfloat16"]
+    deltas, agree, total = [], 0, 0
+    greedy = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.0)
+    for q in QUESTIONS[: args.replies]:
+        prompt = bf16.encode_chat([{"role": "user", "content": q}])
+        served = bf16.generate(prompt, greedy)  # what a bf16 gateway records
+        exact = fp32.score(prompt, served.token_ids)  # the fp32 policy's logprobs of the same tokens
+        deltas += [abs(a - b) for a, b in zip(served.logprobs, exact)]
+        ref = fp32.generate(prompt, greedy).token_ids
+        agree += served.token_ids == ref
+        total += 1
+    cap = math.log(TrainConfig().tis_cap or 2.0)
+    deltas.sort()
+    print(f"\nbf16 vs fp32, SmolLM2-135M-Instruct ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f})")
+    print(f"start-up probe: bf16 matmuls {found['prefill_speedup']:.2f}x at prefill, {found['decode_speedup']:.2f}x "
+          f"at decode -> serves {picked}")
+    print(f"{'dtype':<10} {'prefill tok/s':>14} {'decode ms/token':>16}")
+    for d, (p, ms) in speed.items():
+        print(f"{d:<10} {p:>14.0f} {ms:>16.1f}")
+    print(f"bf16 / fp32: prefill {speed['bfloat16'][0] / speed['float32'][0]:.2f}x, decode "
+          f"{speed['float32'][1] / speed['bfloat16'][1]:.2f}x (prompt {args.prompt_tokens} tokens)")
+    print(f"recorded logprobs, {len(deltas)} tokens of {args.replies} greedy bf16 replies re-scored in fp32: mean "
+          f"|Δ| {statistics.mean(deltas):.4f} nats/token, p99 {deltas[int(0.99 * (len(deltas) - 1))]:.4f}, max "
+          f"{deltas[-1]:.4f}; beyond ln(tis_cap)={cap:.2f}: {sum(d > cap for d in deltas) / len(deltas):.2%}; "
+          f"greedy replies identical to fp32's: {agree}/{total}")
+    for e in engines.values():
+        e.close()
+
+
+if __name__ == "__main__":
+    main()
