@@ -135,7 +135,8 @@ def median(xs: list[float]) -> float:
 
 
 def report(on: Gateway, off: Gateway, args, prompt_tokens: int) -> None:
-    print(f"\nAgent sessions on clawflow serve, SmolLM2-135M-Instruct ({time.strftime('%Y-%m-%d %H:%M')}, "
+    dtype = httpx.get(f"{on.url}/admin/policy", headers=ADMIN, timeout=60).json().get("dtype")
+    print(f"\nAgent sessions on clawflow serve, SmolLM2-135M-Instruct {dtype} ({time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} cores, load average now {os.getloadavg()[0]:.1f}): system prompt + tools "
           f"{prompt_tokens} tokens, {args.max_tokens} new tokens, greedy, streamed; median seconds (n)")
     print(f"{'turn':<26} {'re-warm on':>14} {'re-warm off':>14} {'off / on':>9}   "
@@ -201,10 +202,10 @@ def main() -> None:
             active = f"r{r}"  # the session used last
         if args.during:
             both(lambda g: g.reload(model, "during"))
+        report(on, off, args, prompt_tokens)
     finally:
         for s in servers:
             stop(s)
-    report(on, off, args, prompt_tokens)
 
 
 if __name__ == "__main__":

@@ -163,3 +163,26 @@ def test_a_prompt_longer_than_the_cache_is_served_uncached(tiny_model_dir, pertu
         assert close(g.logprobs, logprobs_under(perturbed_model_dir, p, g.token_ids), 1e-4)
     finally:
         e.close()
+
+
+def test_requests_are_served_by_the_old_version_while_a_rewarm_runs(engine, perturbed_model_dir, monkeypatch):
+    """A slow re-warm (each chunk held 0.1 s longer) over several hot prompts: a request sent
+    meanwhile is served, by the old version, before the reload returns."""
+    import threading
+
+    for q in ("Atlases?", "Poetry?", "Maps?", "Globes?", "Cookbooks?", "Novels?"):
+        engine.generate(chat(engine, q, system=f"{SYSTEM} ({q})"), greedy(1))
+    step = rewarm_mod.RewarmJob.step
+
+    def slow(self, chunk):
+        time.sleep(0.1)
+        return step(self, chunk)
+
+    monkeypatch.setattr(rewarm_mod.RewarmJob, "step", slow)
+    reload = threading.Thread(target=engine.reload, args=(perturbed_model_dir, 1))
+    reload.start()
+    time.sleep(0.15)
+    g = engine.generate(chat(engine, "Open on Sundays?"), greedy(6))
+    assert reload.is_alive() and g.policy_version == 0 and len(g.token_ids) == 6
+    reload.join(60)
+    assert engine.policy_version == 1 and engine.last_rewarm["ok"] and engine.last_rewarm["prompts"] >= 1
