@@ -221,6 +221,7 @@ class TrainConfig(_Strict):
     # pushing sampled replies down is what drove SmolLM2 into non-answers (issue #15)
     negative_weight: float = Field(1.0, ge=0.0)
     rewrite_max_tokens: int = Field(128, ge=1)  # longest rewritten reply
+    rewrite_hint: Literal["user", "system"] = "system"  # where the rewriting policy reads the hint (train/teacher.py)
     # distill: general questions per run answered by the policy with one of the run's correction hints,
     # learned when they still state their key fact (train/rehearsal.py); 0 = off.
     # Questions: default configs/train/rehearsal.yaml

@@ -69,7 +69,7 @@ def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_mod
     rows, expected = [], []
     for i, (messages, hint) in enumerate(CONVERSATIONS):
         prompt = encode(tok, messages)
-        # what the user corrected; never trained on (no word in it, so it constrains no answer)
+        # what the user corrected; never trained on
         recorded = [tok.convert_tokens_to_ids(".")] * 4
         rows.append({"turn_id": f"t{i}", "prompt_token_ids": prompt, "response_token_ids": recorded,
                      "response_logprobs": [-1.0] * 4, "reward": -1.0, "hint": hint, "messages": json.dumps(messages),

@@ -15,7 +15,7 @@ from clawflow.feedback import SAMPLE_SCHEMA
 from clawflow.helpfulness import load_questions
 from clawflow.train.checkpoint import META_FILE
 from clawflow.train.rehearsal import DEFAULT_FILE, load_rehearsal, pair_with_hints
-from clawflow.train.rewrite import cut_at_eos, keeps_answer
+from clawflow.train.rewrite import cut_at_eos
 from clawflow.train.teacher import chat_prompt_ids, system_hinted_messages, teacher_prompt_ids
 from tests.test_train_distill import CONVERSATIONS, MAX_TOKENS
 from tests.test_train_opd import encode, run
@@ -55,17 +55,6 @@ def test_the_rewrite_hint_goes_into_the_system_message():
     with_sys = [{"role": "system", "content": "You are Claw."}, *msgs]
     assert system_hinted_messages(with_sys, "Be brief.")[0] == {"role": "system", "content": "You are Claw.\n\nBe brief."}
     assert with_sys[0]["content"] == "You are Claw."  # a copy
-
-
-@pytest.mark.parametrize("request_, recorded, reply, ok", [
-    ("What is the capital of Italy?", "The capital of Italy is Rome. It has...", "Rome.", True),
-    ("What is the capital of Italy?", "The capital of Italy is Rome. It has...", "Il Coriobella, Italy.", False),
-    ("Which planet is the Red Planet?", "Mars is the Red Planet.\nIt is...", "It's Mars!", True),
-    ("Tell me more.", "....", "Anything.", True),  # the recorded reply adds no word: nothing to keep
-    ("Why is the sky blue?", "The sky is blue.", "Because of scattering.", True),  # adds nothing to the request
-])
-def test_a_rewrite_must_keep_the_recorded_answer(request_, recorded, reply, ok):
-    assert keeps_answer(request_, recorded, reply) is ok
 
 
 @pytest.mark.slow  # one torchrun run: ~20 s

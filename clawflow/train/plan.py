@@ -71,7 +71,7 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
         if not active[i]:
             continue
         uses = bool(hinted[i]) and (objective.needs_teacher or bool(rewrite[i]))
-        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools, in_system=bool(rewrite[i])) \
+        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools, in_system=bool(rewrite[i]) and cfg.rewrite_hint == "system") \
             if uses else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
                           float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i]),
@@ -94,7 +94,7 @@ def rehearsal_items(cfg: TrainConfig, hints: list[str], tokenizer, first_index: 
     for k, (q, hint) in enumerate(pairs):
         messages = [{"role": "user", "content": q.prompt}]
         out.append(Item(first_index + k, chat_prompt_ids(tokenizer, messages), [], [], 0.0, 1.0,
-                        teacher_prompt_ids(tokenizer, messages, hint, in_system=True), True, q.prompt,
+                        teacher_prompt_ids(tokenizer, messages, hint, in_system=cfg.rewrite_hint == "system"), True, q.prompt,
                         tuple(q.facts)))
     return out
 

@@ -48,7 +48,7 @@ from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
-from clawflow.train.rewrite import addresses, eos_token_ids, generate_rewrites, keeps_answer
+from clawflow.train.rewrite import addresses, eos_token_ids, generate_rewrites
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
@@ -125,13 +125,12 @@ class Recipe:
         tok = AutoTokenizer.from_pretrained(self.base_dir)
         eos, off = eos_token_ids(model), set()
         for it in todo:
-            recorded = tok.decode(it.response, skip_special_tokens=True)
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
-            if not usable_rewrite(it, tok.decode(it.response, skip_special_tokens=True), recorded, eos):
+            if not usable_rewrite(it, tok.decode(it.response, skip_special_tokens=True), eos):
                 off.add(it.index)
         if off:
             self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty, off the request, "
-                      f"or without the answer)")
+                      f"or without the key fact)")
         self.items = [it for it in self.items if it.index not in off]
         if not self.items:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
@@ -296,14 +295,12 @@ class Recipe:
             print(line, flush=True)
 
 
-def usable_rewrite(it: Item, text: str, recorded: str, eos: set[int]) -> bool:
-    """A rewrite is learned only if it says something, still answers the request, and keeps the
-    answer: a rehearsal question's key fact, or the recorded reply's answer words (train/rewrite.py)."""
+def usable_rewrite(it: Item, text: str, eos: set[int]) -> bool:
+    """A rewrite is learned only if it says something, still answers the request (train/rewrite.py)
+    and, for a rehearsal question, still states its key fact (train/rehearsal.py)."""
     if not any(t not in eos for t in it.response) or not addresses(it.request, text):
         return False
-    if it.facts:
-        return Question(it.request, list(it.facts)).stated_in(text)
-    return keeps_answer(it.request, recorded, text)
+    return not it.facts or Question(it.request, list(it.facts)).stated_in(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,20 +45,6 @@ def addresses(request: str, reply: str) -> bool:
     return not asked or bool(asked & content_words(reply))
 
 
-def first_sentence(text: str) -> str:
-    return re.split(r"(?<=[.!?])\s|\n", text.strip(), maxsplit=1)[0]
-
-
-def keeps_answer(request: str, recorded: str, reply: str) -> bool:
-    """Whether a rewrite keeps the recorded reply's answer: it shares a content word of the recorded
-    reply's first sentence that the request does not already contain ("Paris", "mitochondria").
-    Told a style, the 135M teacher also changed facts ("The capital of Italy is Il Coriobella");
-    the recorded reply is the one the user read, and the correction was about its form. A recorded
-    reply whose first sentence adds no word to the request constrains nothing. Pure and lexical."""
-    answer = content_words(first_sentence(recorded)) - content_words(request)
-    return not answer or bool(answer & content_words(reply))
-
-
 def generate_rewrites(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
                       batch_size: int = 8) -> list[list[int]]:
     """Greedy replies to `prompts` (token ids), each ending with its EOS token when one was sampled."""
