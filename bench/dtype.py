@@ -1,9 +1,10 @@
 """bf16 vs fp32 serving on this CPU: speed, and how far the recorded logprobs move.
 
 Side by side in one run, on SmolLM2-135M-Instruct in the embedded engine (one engine per dtype, no
-server): the start-up probe's verdict (clawflow/serving/dtype_probe.py: the model's MLP matmul at
-prefill and decode shapes), prefill tokens/s of a --prompt-tokens prompt, decode ms/token at batch
-1, and the honesty of the recorded logprobs: greedy replies served in bf16 (the logprobs the
+server): the start-up probe's verdict (clawflow/serving/dtype_probe.py: the model's own prefill and
+long-context decode step in both dtypes), prefill tokens/s of a
+--prompt-tokens prompt, decode ms/token at batch 1 after a short prompt and after --context cached
+tokens (an agent's next turn), and the honesty of the recorded logprobs: greedy replies served in bf16 (the logprobs the
 gateway would record) scored again by the fp32 model the trainer holds, per token: mean |Δ logprob|,
 its 99th percentile, the share beyond ln(train.tis_cap) (what truncated importance sampling can no
 longer correct), and how many greedy replies are the same in both dtypes.
@@ -45,6 +46,20 @@ def prefill_tok_s(model, n: int, reps: int = 2) -> float:
     return n / best
 
 
+@torch.inference_mode()
+def long_decode_ms(model, context: int, steps: int = 8) -> float:
+    """ms per decode step after `context` cached tokens (one-pass prefill first, not timed)."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(100, 40000, (1, context + steps), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache()
+    model(ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+    t0 = time.perf_counter()
+    for i in range(context, context + steps):
+        model(ids[:, i:i + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[i]]))
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
 def decode_ms(engine, prompt: list[int], tokens: int = 32) -> float:
     from clawflow.serving.engine import SamplingParams
 
@@ -58,6 +73,7 @@ def main() -> None:
     ap.add_argument("--replies", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--context", type=int, default=4096, help="cached tokens for the long-context decode")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -69,13 +85,13 @@ def main() -> None:
 
     path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
     engines = {d: TorchEngine(path, dtype=d, prefix_cache_tokens=0) for d in ("float32", "bfloat16")}
-    mc = engines["float32"]._policy.model.config
-    picked, found = choose("auto", mc.hidden_size, mc.intermediate_size)
+    picked, found = choose("auto", path)
     speed = {}
     for d, e in engines.items():
         e.generate(e.encode_chat([{"role": "user", "content": "hi"}]), SamplingParams(max_new_tokens=2))
         speed[d] = (prefill_tok_s(e._policy.model, args.prompt_tokens),
-                    decode_ms(e, e.encode_chat([{"role": "user", "content": QUESTIONS[0]}])))
+                    decode_ms(e, e.encode_chat([{"role": "user", "content": QUESTIONS[0]}])),
+                    long_decode_ms(e._policy.model, args.context))
 
     fp32, bf16 = engines["float32"], engines["bfloat16"]
     deltas, agree, total = [], 0, 0
@@ -92,13 +108,14 @@ def main() -> None:
     deltas.sort()
     print(f"\nbf16 vs fp32, SmolLM2-135M-Instruct ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f})")
-    print(f"start-up probe: bf16 matmuls {found['prefill_speedup']:.2f}x at prefill, {found['decode_speedup']:.2f}x "
-          f"at decode -> serves {picked}")
-    print(f"{'dtype':<10} {'prefill tok/s':>14} {'decode ms/token':>16}")
-    for d, (p, ms) in speed.items():
-        print(f"{d:<10} {p:>14.0f} {ms:>16.1f}")
-    print(f"bf16 / fp32: prefill {speed['bfloat16'][0] / speed['float32'][0]:.2f}x, decode "
-          f"{speed['float32'][1] / speed['bfloat16'][1]:.2f}x (prompt {args.prompt_tokens} tokens)")
+    print(f"start-up probe: bf16 {found['prefill_speedup']:.2f}x at prefill, {found['decode_speedup']:.2f}x at a "
+          f"long-context decode step -> serves {picked}")
+    print(f"{'dtype':<10} {'prefill tok/s':>14} {'decode ms/token':>16} {f'after {args.context} tokens':>18}")
+    for d, (p, ms, long_ms) in speed.items():
+        print(f"{d:<10} {p:>14.0f} {ms:>16.1f} {long_ms:>18.1f}")
+    f, b = speed["float32"], speed["bfloat16"]
+    print(f"bf16 / fp32 speed: prefill {b[0] / f[0]:.2f}x (prompt {args.prompt_tokens} tokens), decode "
+          f"{f[1] / b[1]:.2f}x after a short prompt, {f[2] / b[2]:.2f}x after {args.context} tokens")
     print(f"recorded logprobs, {len(deltas)} tokens of {args.replies} greedy bf16 replies re-scored in fp32: mean "
           f"|Δ| {statistics.mean(deltas):.4f} nats/token, p99 {deltas[int(0.99 * (len(deltas) - 1))]:.4f}, max "
           f"{deltas[-1]:.4f}; beyond ln(tis_cap)={cap:.2f}: {sum(d > cap for d in deltas) / len(deltas):.2%}; "

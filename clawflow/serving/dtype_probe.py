@@ -1,11 +1,15 @@
 """Serving dtype chosen by measurement (`serving.dtype: auto`), never by a CPU-name table.
 
 Machines differ between sessions: an AVX2-only EPYC ran bf16 matmuls 2.2x SLOWER than fp32 (no
-native bf16: FIELD_NOTES.md); CPUs with AVX512-BF16 or AMX run them much faster. So at start-up
-`choose` times the model's own matmul shapes (its MLP's up projection) in both dtypes on this
-machine's threads: a prefill-shaped one (the agent workload's cost: long prompts) and a
-decode-shaped one (a batch of single tokens), best of a few runs each, well under a second in all.
-bf16 wins only when it is clearly faster at prefill and not slower at decode; everywhere else fp32.
+native bf16: FIELD_NOTES.md); CPUs with AVX512-BF16 or AMX run them much faster. Matmuls are not the
+whole story, though: on an AVX512-BF16 EPYC, bf16 matmuls ran 2-3x faster and a 2k-token prefill
+1.5x faster, but a decode step after 4k cached tokens ran 2x SLOWER (206 vs 100 ms: attention and
+KV-cache traffic in bf16), and an agent's turn is mostly that. A micro-benchmark of SDPA alone
+called that one a tie. So `choose` times the model itself, in both dtypes, on this machine's
+threads: a PREFILL_TOKENS prefill and a decode step after CONTEXT cached tokens (random KV: the
+time does not depend on the values), best of two: seconds of start-up (10-60 s on 2 cores under
+other load). bf16 wins only when it is clearly faster at prefill and not slower at long-context
+decode; everywhere else fp32. `serving.dtype: float32|bfloat16` skips the probe.
 
 Recorded logprobs stay the trainer's business: a bf16 server samples from bf16 logits, and the
 trainer's truncated importance sampling (`train.tis_cap`) corrects the mismatch per token;
@@ -16,50 +20,65 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 log = logging.getLogger("clawflow.dtype")
 
-PREFILL_ROWS, DECODE_ROWS = 512, 8
-MIN_SPEEDUP = 1.15  # below this, bf16's rounding is not worth it (and timing noise could flip it)
+PREFILL_TOKENS = 256
+CONTEXT = 4096  # cached tokens before the timed decode steps (an agent's prompt is ~7.7k)
+MIN_SPEEDUP = 1.15  # prefill; below this, bf16's rounding is not worth it (and noise could flip it)
 
 
-def matmul_seconds(dtype: torch.dtype, rows: int, k: int, n: int, reps: int = 5) -> float:
-    """Best-of-`reps` seconds of one [rows, k] x [k, n] linear in `dtype`."""
+@torch.inference_mode()
+def time_model(model: Any, reps: int = 2) -> tuple[float, float]:
+    """(best prefill seconds, best decode-step seconds after CONTEXT cached tokens) of `model`."""
+    from transformers import DynamicCache
+
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
-    w = torch.randn(n, k, generator=gen).to(dtype)
-    with torch.inference_mode():
-        torch.nn.functional.linear(x, w)  # first call: kernel selection, packing
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - t0)
-    return best
+    ids = torch.randint(0, cfg.vocab_size, (1, PREFILL_TOKENS), generator=gen)
+    heads_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache()
+    for i in range(cfg.num_hidden_layers):
+        kv = torch.randn(1, heads_kv, CONTEXT, head_dim, generator=gen).to(dtype)
+        cache.update(kv, kv.clone(), i)
+    model(ids[:, :8], logits_to_keep=1)  # first call: kernel selection, packing
+    prefill = decode = float("inf")
+    for r in range(reps):
+        t0 = time.perf_counter()
+        model(ids, logits_to_keep=1)
+        prefill = min(prefill, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        model(ids[:, r:r + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[CONTEXT + r]]))
+        decode = min(decode, time.perf_counter() - t0)
+    return prefill, decode
 
 
-def probe(hidden: int, intermediate: int) -> dict[str, float]:
-    """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) at prefill and decode shapes."""
-    out = {}
-    for name, rows in (("prefill", PREFILL_ROWS), ("decode", DECODE_ROWS)):
-        fp32 = matmul_seconds(torch.float32, rows, hidden, intermediate)
-        bf16 = matmul_seconds(torch.bfloat16, rows, hidden, intermediate)
-        out[f"{name}_speedup"] = fp32 / bf16
-    return out
+def probe(path: str) -> dict[str, float]:
+    """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) for the model at `path`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    fp32 = time_model(model)
+    bf16 = time_model(model.to(torch.bfloat16))
+    return {"prefill_speedup": fp32[0] / bf16[0], "decode_speedup": fp32[1] / bf16[1]}
 
 
-def choose(setting: str, hidden: int, intermediate: int) -> tuple[str, dict[str, float] | None]:
+def choose(setting: str, path: str) -> tuple[str, dict[str, float] | None]:
     """The dtype to serve in: `setting` itself unless it is "auto"; then the probe's answer."""
     if setting != "auto":
         return setting, None
     try:
-        found = probe(hidden, intermediate)
-    except Exception as exc:  # a dtype this torch build cannot run: keep fp32
+        found = probe(path)
+    except Exception as exc:  # a dtype this torch build cannot run, an unusual model: keep fp32
         log.warning("dtype probe failed (%s); serving float32", exc)
         return "float32", None
-    pick = "bfloat16" if found["prefill_speedup"] >= MIN_SPEEDUP and found["decode_speedup"] >= 1.0 else "float32"
-    log.info("dtype probe: bf16 vs fp32 matmuls %.2fx at prefill, %.2fx at decode: serving %s",
-             found["prefill_speedup"], found["decode_speedup"], pick)
+    fast = found["prefill_speedup"] >= MIN_SPEEDUP and found["decode_speedup"] >= 1.0
+    pick = "bfloat16" if fast else "float32"
+    log.info("dtype probe: bf16 vs fp32 %.2fx at a %d-token prefill, %.2fx at a decode step after %d tokens: "
+             "serving %s", found["prefill_speedup"], PREFILL_TOKENS, found["decode_speedup"], CONTEXT, pick)
     return pick, found

@@ -66,12 +66,10 @@ def serving_dtype(cfg: Config, path: str) -> str:
     if cfg.serving.dtype != "auto":
         return cfg.serving.dtype
     import torch
-    from transformers import AutoConfig
 
     if cfg.serving.threads:  # measured on the threads it will serve with
         torch.set_num_threads(cfg.serving.threads)
-    mc = AutoConfig.from_pretrained(path)
-    return choose("auto", mc.hidden_size, mc.intermediate_size)[0]
+    return choose("auto", path)[0]
 
 
 def _resolve_local(cfg: Config, ref: int | str) -> tuple[int, str]:
