@@ -1,0 +1,87 @@
+"""The trainer's configuration section (`train:`); read by clawflow/train. Loss math: train/loss.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from clawflow.config.base import _Strict
+
+
+class LoraSpec(_Strict):
+    """LoRA (Hu et al. 2021) via peft: adapter-only checkpoints of a few MB."""
+
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class TrainConfig(_Strict):
+    """The trainer (clawflow/train). Loss math: clawflow/train/loss.py and advantages.py."""
+
+    lr: float = 1e-6
+    epochs: int = Field(1, ge=1)
+    micro_batch: int = Field(4, ge=1)  # sequences per forward pass
+    step_tokens: int = Field(8192, ge=1)  # response tokens per optimizer step (gradient accumulation)
+    max_turns: int = 256  # largest batch one training run takes, oldest first
+    # objective: binary RL, OPD from hindsight hints, or both (a turn without a hint has no OPD term);
+    # distill: RL on the recorded replies, and each corrected turn's reply rewritten by the policy
+    # with the hint in its prompt, learned from the plain prompt (context distillation: train/rewrite.py)
+    objective: Literal["rl", "opd", "combined", "distill"] = "combined"
+    rl_weight: float = 1.0
+    opd_weight: float = 1.0
+    distill_weight: float = Field(1.0, gt=0.0)  # per-token NLL weight of a rewritten reply
+    # scales A < 0 (replies judged bad); on one reply per prompt a −1 only says "not this", and
+    # pushing sampled replies down is what drove SmolLM2 into non-answers (issue #15)
+    negative_weight: float = Field(1.0, ge=0.0)
+    rewrite_max_tokens: int = Field(128, ge=1)  # longest rewritten reply
+    rewrite_hint: Literal["user", "system"] = "system"  # where the rewriting policy reads the hint (train/teacher.py)
+    # distill: general questions per run answered by the policy with one of the run's correction hints,
+    # learned when they still state their key fact (train/rehearsal.py); 0 = off.
+    # Questions: default configs/train/rehearsal.yaml
+    rehearsal: int = Field(0, ge=0)
+    rehearsal_prompts: Path | None = None
+    teacher: Literal["policy", "base"] = "policy"  # OPD teacher: the served policy (bench/opd_teacher.py), or the base
+    opd_clip: float | None = Field(None, gt=0)  # bound |teacher - old| per token
+    group_norm: bool = True  # GRPO (r - mean) / std within a group of samples of one prompt
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)  # PPO clip; clip-higher (DAPO, Yu et al. 2025)
+    eps_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)  # dual-clip PPO (Ye et al. 2020), e.g. 3.0
+    tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling vs rollout logprobs; None: off
+    kl_beta: float = Field(0.0, ge=0.0)  # k3 KL to the frozen base; 0 never runs the base
+    aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
+    max_staleness: int | None = Field(None, ge=0)  # policy versions; None = no bound
+    staleness: Literal["drop", "decay"] = "drop"
+    staleness_decay: float = Field(0.5, gt=0.0, le=1.0)
+    weight_decay: float = 0.0
+    grad_clip: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    activation_checkpointing: bool = False
+    mixed_precision: bool = True  # GPU: bf16 compute, fp32 weights and reductions; CPU trains fp32
+    lora: LoraSpec | None = None
+    resume_every: int = Field(20, ge=0)  # steps between resumable states; 0 = only when interrupted
+    keep_optimizer: bool = True  # save AdamW state with the checkpoint; the next run continues it
+    seed: int = 0
+    nproc: int = 1  # torchrun --nproc_per_node
+    # Multi-node (torchrun's c10d rendezvous): every node runs the same training command with its
+    # own node_rank; 1 node = `--standalone`. rdzv_endpoint is host:port of a node all can reach.
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = None  # e.g. "trainer-0.internal:29400"
+    rdzv_id: str = "clawflow"  # the job's id: the same on every node, new for each job
+    rdzv_timeout_s: float = Field(900.0, gt=0)  # give up when the other nodes have not joined by then
+    threads: int | None = None
+    peak_flops: float | None = None  # MFU denominator (FLOP/s); None = measured matmul peak
+
+    @model_validator(mode="after")
+    def _multinode(self) -> "TrainConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+        return self
