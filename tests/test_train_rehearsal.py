@@ -53,7 +53,8 @@ def test_the_rewrite_hint_goes_into_the_system_message():
     msgs = [{"role": "user", "content": "Hi?"}]
     assert system_hinted_messages(msgs, " Be brief. ") == [{"role": "system", "content": "Be brief."}, *msgs]
     with_sys = [{"role": "system", "content": "You are Claw."}, *msgs]
-    assert system_hinted_messages(with_sys, "Be brief.")[0] == {"role": "system", "content": "You are Claw.\n\nBe brief."}
+    hinted = system_hinted_messages(with_sys, "Be brief.")
+    assert hinted[0] == {"role": "system", "content": "You are Claw.\n\nBe brief."} and hinted[1:] == msgs
     assert with_sys[0]["content"] == "You are Claw."  # a copy
 
 

@@ -71,8 +71,8 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
         if not active[i]:
             continue
         uses = bool(hinted[i]) and (objective.needs_teacher or bool(rewrite[i]))
-        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools, in_system=bool(rewrite[i]) and cfg.rewrite_hint == "system") \
-            if uses else None
+        in_system = bool(rewrite[i]) and cfg.rewrite_hint == "system"  # OPD's teacher keeps OpenClaw-RL's format
+        teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools, in_system=in_system) if uses else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
                           float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i]),
                           last_user_text(s.messages) if rewrite[i] else ""))
@@ -85,7 +85,7 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
 
 
 def rehearsal_items(cfg: TrainConfig, hints: list[str], tokenizer, first_index: int, parent_version: int) -> list[Item]:
-    """`train.rehearsal` general requests, each to be answered by the policy with one of this run's
+    """`train.rehearsal` general questions, each to be answered by the policy with one of this run's
     correction hints in its prompt and learned from the plain prompt (train/rehearsal.py)."""
     if not cfg.rehearsal or not hints or tokenizer is None:
         return []
@@ -93,9 +93,9 @@ def rehearsal_items(cfg: TrainConfig, hints: list[str], tokenizer, first_index: 
     out = []
     for k, (q, hint) in enumerate(pairs):
         messages = [{"role": "user", "content": q.prompt}]
-        out.append(Item(first_index + k, chat_prompt_ids(tokenizer, messages), [], [], 0.0, 1.0,
-                        teacher_prompt_ids(tokenizer, messages, hint, in_system=cfg.rewrite_hint == "system"), True, q.prompt,
-                        tuple(q.facts)))
+        hinted = teacher_prompt_ids(tokenizer, messages, hint, in_system=cfg.rewrite_hint == "system")
+        out.append(Item(first_index + k, chat_prompt_ids(tokenizer, messages), [], [], 0.0, 1.0, hinted, True,
+                        q.prompt, tuple(q.facts)))
     return out
 
 

@@ -118,8 +118,8 @@ class Recipe:
                                         eos_token_ids(model), self.pad_id)
             replies = D.broadcast_from_rank0(replies)
             done.update(zip((it.index for it in missing), replies))
-            self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with hints in "
-                      f"{time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
+            self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with hints "
+                      f"in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.base_dir)
