@@ -64,10 +64,6 @@ def log_metrics(cfg: Config, run_id: str, steps: list[dict[str, float]], totals:
             client.log_metric(run_id, key, float(value))
 
 
-def log_file(cfg: Config, run_id: str, path: Path) -> None:
-    _client(cfg).log_artifact(run_id, str(path))
-
-
 def log_json(cfg: Config, run_id: str, data: dict[str, Any], name: str) -> None:
     _client(cfg).log_dict(run_id, data, name)
 
