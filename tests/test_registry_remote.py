@@ -6,17 +6,15 @@ serves it; a checkpoint altered in the artifact store is refused and the old wei
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import admin, free_port, policy_version, running_gateway
+from _mlflow_server import mlflow_server as mlflow_server_process
+from conftest import admin, policy_version, running_gateway
 from safetensors.torch import load_file, save_file
 
 from clawflow import artifacts, ops, registry
@@ -27,30 +25,8 @@ _names = itertools.count()
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-           "--artifacts-destination", (root / "artifacts").as_uri()]
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-    try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > 120:
-                raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
-        print(f"mlflow server healthy in {time.monotonic() - t0:.1f} s")
+    with mlflow_server_process(root, (root / "artifacts").as_uri()) as url:
         yield url, root / "artifacts"
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(30)
-        log.close()
 
 
 @pytest.fixture

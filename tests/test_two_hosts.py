@@ -10,16 +10,15 @@ get the same base model directory, as an image would ship it."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from _mlflow_server import mlflow_server
 from _object_store import make_bucket, s3_endpoint  # noqa: F401 - fixture
 from conftest import admin, free_port, policy_version
 from safetensors.torch import load_file
@@ -28,32 +27,6 @@ from test_crash import start_gateway
 from clawflow.config import REPO_ROOT, load_config
 from clawflow.store.catalog import Catalog
 from clawflow.store.storage import Storage
-
-
-def start_mlflow(root: Path, s3: str, bucket: str) -> tuple[subprocess.Popen, str]:
-    """A lite `mlflow server` (SQLite) proxying artifacts to s3://bucket/artifacts."""
-    port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-           "MLFLOW_S3_ENDPOINT_URL": s3}
-    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-           "--artifacts-destination", f"s3://{bucket}/artifacts"]
-    log = open(root / "mlflow.log", "wb")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), \
-        f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"mlflow server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.3)
 
 
 def host_config(tmp_path: Path, name: str, model_dir: str, port: int, store: dict, tracking_uri: str) -> Path:
@@ -77,7 +50,9 @@ def test_gateway_and_trainer_share_only_the_object_store_mlflow_and_prefect(
     t0 = time.monotonic()
     bucket = make_bucket(s3_endpoint)
     root = f"s3://{bucket}/clawflow"
-    mlflow_proc, tracking = start_mlflow(tmp_path, s3_endpoint, bucket)
+    services = contextlib.ExitStack()
+    tracking = services.enter_context(
+        mlflow_server(tmp_path, f"s3://{bucket}/artifacts", {"MLFLOW_S3_ENDPOINT_URL": s3_endpoint}))
     port = free_port()
     store = {"root": root, "storage_options": {"endpoint_url": s3_endpoint}, "replica_id": "gw-0"}
     gw_cfg = load_config(host_config(tmp_path, "gateway-host", tiny_model_dir, port, store, tracking))
@@ -85,7 +60,6 @@ def test_gateway_and_trainer_share_only_the_object_store_mlflow_and_prefect(
     tr_cfg = load_config(tr_path)
     gateway = None
     try:
-        wait_healthy(mlflow_proc, tracking, tmp_path / "mlflow.log")
         gateway = start_gateway(gw_cfg, tmp_path / "gateway.log")
         print(f"services up in {time.monotonic() - t0:.1f} s")
 
@@ -131,5 +105,4 @@ def test_gateway_and_trainer_share_only_the_object_store_mlflow_and_prefect(
         if gateway is not None:
             gateway.send_signal(signal.SIGTERM)
             gateway.wait(60)
-        os.killpg(mlflow_proc.pid, signal.SIGTERM)
-        mlflow_proc.wait(30)
+        services.close()
