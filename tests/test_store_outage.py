@@ -6,6 +6,7 @@ uploads them, and every acknowledged turn is in the bucket exactly once, the out
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 import uuid
@@ -37,6 +38,13 @@ def send(cfg, n: int) -> list[str]:
     return acked
 
 
+def upload_failures(cfg) -> float:
+    text = httpx.get(f"{cfg.gateway_url}/metrics").text
+    match = re.search(r"^\w*shard_upload_failures_total (\S+)$", text, re.M)
+    assert match, "the gateway exports no shard upload failure counter"
+    return float(match.group(1))
+
+
 def markers(tables: list[pa.Table]) -> Counter:
     counts: Counter = Counter()
     for table in tables:
@@ -61,8 +69,12 @@ def test_store_down_keeps_sealed_shards_locally_and_loses_no_acknowledged_turn(m
 
     proc = start_gateway(cfg, log)
     acked = send(cfg, 7)
-    time.sleep(1.5)  # sealer passes: segments sealed into the outbox, uploads fail
-    assert "shard_upload_failures_total 0" not in httpx.get(f"{cfg.gateway_url}/metrics").text
+    # sealer passes: segments sealed into the outbox, uploads fail (each failure can take a while:
+    # the S3 client retries a refused connection with backoff, slower on a loaded machine)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (upload_failures(cfg) and outbox_markers(cfg.home)):
+        time.sleep(0.2)
+    assert upload_failures(cfg) > 0, "no upload was tried (and failed) while the store is down"
     assert outbox_markers(cfg.home), "nothing sealed locally while the store is down"
     proc.send_signal(signal.SIGKILL)  # a crash, with the store down
     proc.wait(30)
