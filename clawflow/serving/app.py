@@ -18,9 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from clawflow.serving.batcher import QueueFull
-from clawflow.serving.engine import ReloadError
 from clawflow.serving.gateway import BadRequest, Gateway, TurnContext
+from clawflow.serving.generation import QueueFull, ReloadError
 from clawflow.serving.protocol import ChatCompletionRequest, error_body
 from clawflow.serving.limits import BodyLimitAndRequestIds
 from clawflow.store.metrics import STORE as STORE_METRICS
@@ -161,8 +160,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        c = gw.counters
-        prefix = getattr(getattr(gw.engine, "batcher", None), "prefix", None)  # None: sglang, or cache off
+        c, e = gw.counters, gw.engine.stats()
         lines = [
             f"clawflow_requests_total {c.requests}",
             f"clawflow_prompt_tokens_total {c.prompt_tokens}",
@@ -172,11 +170,11 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
             f"clawflow_policy_version {gw.engine.policy_version}",
             f"clawflow_unrecorded_requests_total {c.unrecorded}",
             f"clawflow_requests_cancelled_total {c.cancelled}",
-            f"clawflow_decode_aborted_total {getattr(getattr(gw.engine, 'batcher', None), 'aborted', 0)}",
-            f"clawflow_queue_depth {gw.engine.queue_depth}",
-            f"clawflow_prefix_cache_hits_total {getattr(prefix, 'hits', 0)}",
-            f"clawflow_prefix_cache_reused_tokens_total {getattr(prefix, 'reused_tokens', 0)}",
-            f"clawflow_active_requests {gw.engine.active}",
+            f"clawflow_decode_aborted_total {e.decode_aborted}",
+            f"clawflow_queue_depth {e.queue_depth}",
+            f"clawflow_prefix_cache_hits_total {e.prefix_cache_hits}",
+            f"clawflow_prefix_cache_reused_tokens_total {e.prefix_cache_reused_tokens}",
+            f"clawflow_active_requests {e.active}",
             *c.latency.prometheus("clawflow_request_latency_seconds"),
             *STORE_METRICS.prometheus(),  # torn WAL records, quarantined shards, sealed turns
         ]
@@ -185,8 +183,8 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     @app.get("/admin/policy", dependencies=[Depends(require_admin)])
     async def policy() -> dict[str, Any]:
         answer = {"version": gw.engine.policy_version, "path": gw.engine.model_path, "model": gw.cfg.model.name}
-        if (dtype := getattr(gw.engine, "dtype", None)) is not None:  # torch engine: what serving.dtype settled on
-            answer["dtype"] = str(dtype).removeprefix("torch.")
+        if gw.engine.dtype is not None:  # torch engine: what serving.dtype settled on
+            answer["dtype"] = str(gw.engine.dtype).removeprefix("torch.")
         return answer
 
     @app.post("/admin/reload", dependencies=[Depends(require_admin)])
@@ -216,8 +214,8 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
         gw.counters.reloads += 1
         log.info("reloaded v%s from %s in %.1fs", version, path, seconds)
         answer = {"version": version, "path": path, "seconds": round(seconds, 3)}
-        if (rewarm := getattr(gw.engine, "last_rewarm", None)) is not None:  # torch engine: what it re-warmed
-            answer["rewarm"] = rewarm
+        if gw.engine.last_rewarm is not None:  # torch engine: what it re-warmed
+            answer["rewarm"] = gw.engine.last_rewarm
         return answer
 
     @app.post("/admin/seal", dependencies=[Depends(require_admin)])

@@ -34,22 +34,25 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from clawflow.serving.engine import Generation, SamplingParams, TokenCallback
+from clawflow.serving.generation import Generation, QueueFull, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
 from clawflow.serving.rewarm import BUSY_CHUNK, WHOLE, RewarmJob, RewarmResult
-
-if TYPE_CHECKING:
-    from clawflow.serving.engine import TorchEngine, _Policy
 
 log = logging.getLogger("clawflow.batcher")
 
 
-class QueueFull(RuntimeError):
-    """Every decode slot is busy and the waiting queue is at its bound: try again later."""
+class _Owner(Protocol):
+    """What the batcher reads of the TorchEngine that owns it (typed here, so neither module imports
+    the other both ways)."""
+
+    _policy: Any  # the serving policy (model, version, path): new requests pin it
+    eos_ids: set[int]
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass
@@ -78,7 +81,7 @@ class _Batch:
 
 
 class Batcher:
-    def __init__(self, engine: TorchEngine, max_batch: int, max_queue: int, prefix_cache_tokens: int = 0,
+    def __init__(self, engine: _Owner, max_batch: int, max_queue: int, prefix_cache_tokens: int = 0,
                  prefix_cache_min_tokens: int = 16):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
         self.prefix = PrefixCache(prefix_cache_tokens, prefix_cache_min_tokens) if prefix_cache_tokens > 0 else None

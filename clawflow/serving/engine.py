@@ -18,33 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from clawflow.serving.batcher import Batcher
+from clawflow.serving.engine_protocol import EngineStats
+from clawflow.serving.generation import Generation, ReloadError, SamplingParams, TokenCallback
+
 log = logging.getLogger("clawflow.engine")
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    top_logprobs: int = 0  # also return the k most likely tokens at each position
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str  # stop | length | abort
-    policy_version: int
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token id, logprob), per position
 
 
 @dataclass(frozen=True)
@@ -54,16 +38,7 @@ class _Policy:
     path: str
 
 
-class ReloadError(RuntimeError):
-    """The checkpoint could not be loaded; the serving weights are unchanged."""
-
-
-# on_token(token_id, logprob, text_so_far, top) -> False to abort (client went away); `top` is the
-# position's k most likely (token id, logprob) when SamplingParams.top_logprobs asks for them, else None
-TokenCallback = Callable[[int, float, str, "list[tuple[int, float]] | None"], bool]
-
-
-class TorchEngine:
+class TorchEngine:  # an `engine_protocol.Engine`
     def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
                  prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0):
@@ -79,8 +54,6 @@ class TorchEngine:
         self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
         self.eos_ids = self._eos_ids()
-        from clawflow.serving.batcher import Batcher
-
         self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens)
 
     # -- weights ---------------------------------------------------------------------------
@@ -195,13 +168,11 @@ class TorchEngine:
     def close(self) -> None:
         self.batcher.close()
 
-    @property
-    def queue_depth(self) -> int:
-        return self.batcher.queue_depth
-
-    @property
-    def active(self) -> int:
-        return self.batcher.active
+    def stats(self) -> EngineStats:
+        b, prefix = self.batcher, self.batcher.prefix  # prefix None: the cache is off
+        return EngineStats(queue_depth=b.queue_depth, active=b.active, decode_aborted=b.aborted,
+                           prefix_cache_hits=prefix.hits if prefix is not None else 0,
+                           prefix_cache_reused_tokens=prefix.reused_tokens if prefix is not None else 0)
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

@@ -16,12 +16,13 @@ import threading
 from collections.abc import Callable
 
 from clawflow.config import Config
+from clawflow.serving.engine_protocol import Engine
 
 log = logging.getLogger("clawflow.serving.follow")
 
 
 class ChampionFollower:
-    def __init__(self, cfg: Config, engine, resolve: Callable[[int | str], tuple[int, str]],
+    def __init__(self, cfg: Config, engine: Engine, resolve: Callable[[int | str], tuple[int, str]],
                  interval_s: float, on_reload: Callable[[int, str, float], None] | None = None):
         self.cfg, self.engine, self.resolve = cfg, engine, resolve
         self.interval_s = interval_s

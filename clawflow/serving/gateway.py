@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from clawflow.config import Config
-from clawflow.serving.engine import Generation, SamplingParams, TorchEngine
+from clawflow.serving.engine_protocol import Engine
+from clawflow.serving.generation import Generation, SamplingParams
 from clawflow.serving.protocol import ChatCompletionRequest, completion_id, now
 from clawflow.serving.sessions import SessionTracker, split_new_messages
 from clawflow.serving.toolcalls import TOOL_CALL_OPEN, parse_tool_calls
@@ -73,7 +74,7 @@ class Histogram:
 @dataclass
 class Gateway:
     cfg: Config
-    engine: TorchEngine
+    engine: Engine
     writer: SegmentWriter
     sealer: Sealer
     tracker: SessionTracker = field(default_factory=SessionTracker)

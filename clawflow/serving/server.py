@@ -77,7 +77,7 @@ def _resolve_local(cfg: Config, ref: int | str) -> tuple[int, str]:
     reload (the old weights keep serving)."""
     from clawflow import registry
     from clawflow.artifacts import ChecksumError
-    from clawflow.serving.engine import ReloadError
+    from clawflow.serving.generation import ReloadError
 
     try:
         return registry.resolve_local(cfg, ref)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from clawflow.serving.batcher import QueueFull
-from clawflow.serving.engine import Generation, ReloadError, SamplingParams, TokenCallback
+from clawflow.serving.engine_protocol import EngineStats
+from clawflow.serving.generation import Generation, QueueFull, ReloadError, SamplingParams, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class LogprobsError(RuntimeError):
     """SGLang returns temperature-scaled logprobs: recording them would bias every training ratio."""
 
 
-class SGLangEngine:
+class SGLangEngine:  # an `engine_protocol.Engine`
     def __init__(self, url: str, model_path: str, version: int = 0, max_batch: int = 32, max_queue: int = 64,
                  timeout_s: float = 600.0):
         from transformers import AutoConfig, AutoTokenizer
@@ -48,12 +48,14 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_batch, thread_name_prefix="clawflow-sglang")
         self._limit, self._outstanding, self._lock = max_batch + max_queue, 0, threading.Lock()
         self.eos_ids = {self.tokenizer.eos_token_id}
+        self.dtype = None  # SGLang settles its own (its --dtype)
+        self.last_rewarm: dict | None = None  # no re-warm here: SGLang manages its own cache
         # "raw" | "scaled" | None (not measured yet: the server was unreachable or the probe undecided)
         self.logprobs_kind: str | None = None
         self._check_lock = threading.Lock()
         self.check_logprobs()
 
-    # -- the engine interface (see TorchEngine) ---------------------------------------------
+    # -- the engine interface (engine_protocol.Engine) --------------------------------------
     @property
     def policy_version(self) -> int:
         return self._version
@@ -66,13 +68,10 @@ class SGLangEngine:
     def context_length(self) -> int:
         return self._ctx
 
-    @property
-    def queue_depth(self) -> int:
-        return max(self._outstanding - self._pool._max_workers, 0)
-
-    @property
-    def active(self) -> int:
-        return min(self._outstanding, self._pool._max_workers)
+    def stats(self) -> EngineStats:
+        """Requests beyond the pool's threads are waiting; SGLang's own cache counters are not read."""
+        n, slots = self._outstanding, self._pool._max_workers
+        return EngineStats(queue_depth=max(n - slots, 0), active=min(n, slots))
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
