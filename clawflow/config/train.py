@@ -40,6 +40,11 @@ class TrainConfig(_Strict):
     negative_weight: float = Field(1.0, ge=0.0)
     rewrite_max_tokens: int = Field(128, ge=1)  # longest rewritten reply
     rewrite_hint: Literal["user", "system"] = "system"  # where the rewriting policy reads the hint (train/teacher.py)
+    # Best of n: the greedy rewrite and `rewrite_samples` sampled ones; the usable one chosen by
+    # `rewrite_select` is learned (train/rewrite.py `choose`). 0: the greedy rewrite alone.
+    rewrite_samples: int = Field(0, ge=0)
+    rewrite_temperature: float = Field(0.7, gt=0.0)
+    rewrite_select: Literal["plain", "poe", "greedy"] = "plain"
     # distill: general questions per run answered by the policy with one of the run's correction hints,
     # learned when they still state their key fact (train/rehearsal.py); 0 = off.
     # Questions: default configs/train/rehearsal.yaml

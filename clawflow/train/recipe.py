@@ -48,10 +48,11 @@ from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
-from clawflow.train.rewrite import addresses, eos_token_ids, generate_rewrites
+from clawflow.train.rewrite import addresses, choose, eos_token_ids, generate_rewrites, sample_candidates
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
+REWRITE_GROUP = 8  # prompts sampled together (each with 1 + train.rewrite_samples rows)
 
 
 class Interrupted(Exception):
@@ -112,21 +113,24 @@ class Recipe:
             return
         done = self.cache.setdefault("rewrite", {})
         missing = [it for it in todo if it.index not in done]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.base_dir)
         if missing:
             t0 = time.monotonic()
-            replies = generate_rewrites(model, [it.teacher_prompt for it in missing], self.cfg.rewrite_max_tokens,
-                                        eos_token_ids(model), self.pad_id)
+            if self.cfg.rewrite_samples:
+                replies = self.best_of_n(model, missing, tok) if self.rank == 0 else []
+            else:
+                replies = generate_rewrites(model, [it.teacher_prompt for it in missing], self.cfg.rewrite_max_tokens,
+                                            eos_token_ids(model), self.pad_id)
             replies = D.broadcast_from_rank0(replies)
             done.update(zip((it.index for it in missing), replies))
             self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with hints "
                       f"in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(self.base_dir)
         eos, off = eos_token_ids(model), set()
         for it in todo:
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
-            if not usable_rewrite(it, tok.decode(it.response, skip_special_tokens=True), eos):
+            if not usable_rewrite(it, it.response, tok.decode(it.response, skip_special_tokens=True), eos):
                 off.add(it.index)
         if off:
             self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty, off the request, "
@@ -136,6 +140,25 @@ class Recipe:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
         self.total_steps = len(self.plan) * self.cfg.epochs
+
+    def best_of_n(self, model, items: list[Item], tok) -> list[list[int]]:
+        """Per item, the usable candidate chosen by `train.rewrite_select` (train/rewrite.py), else the
+        greedy one (left out afterwards as unusable). Sampling is seeded by run seed and item."""
+        cfg, eos, chosen, usable_share = self.cfg, eos_token_ids(model), {}, []
+        ordered = sorted(items, key=lambda it: len(it.teacher_prompt))  # similar lengths pad less
+        for g in range(0, len(ordered), REWRITE_GROUP):
+            group = ordered[g : g + REWRITE_GROUP]
+            per_item = sample_candidates(model, [it.teacher_prompt for it in group], [it.prompt for it in group],
+                                         cfg.rewrite_samples, cfg.rewrite_max_tokens, cfg.rewrite_temperature, eos,
+                                         self.pad_id, seed=cfg.seed * 100_003 + group[0].index)
+            for it, cands in zip(group, per_item):
+                ok = [usable_rewrite(it, c.tokens, tok.decode(c.tokens, skip_special_tokens=True), eos) for c in cands]
+                k = choose(cands, ok, cfg.rewrite_select)
+                usable_share.append(sum(ok) / len(ok))
+                chosen[it.index] = cands[0 if k is None else k].tokens
+        self._log(f"clawflow.train: best of {1 + cfg.rewrite_samples} rewrites by {cfg.rewrite_select!r}: "
+                  f"{sum(usable_share) / len(usable_share):.2f} of the candidates usable")
+        return [chosen[it.index] for it in items]
 
     def _on_sigterm(self, *_) -> None:
         self.stop_requested = True
@@ -295,10 +318,10 @@ class Recipe:
             print(line, flush=True)
 
 
-def usable_rewrite(it: Item, text: str, eos: set[int]) -> bool:
-    """A rewrite is learned only if it says something, still answers the request (train/rewrite.py)
-    and, for a rehearsal question, still states its key fact (train/rehearsal.py)."""
-    if not any(t not in eos for t in it.response) or not addresses(it.request, text):
+def usable_rewrite(it: Item, tokens: list[int], text: str, eos: set[int]) -> bool:
+    """A rewrite (`tokens`, decoded `text`) is learned only if it says something, still answers the
+    request (train/rewrite.py) and, for a rehearsal question, still states its key fact (train/rehearsal.py)."""
+    if not any(t not in eos for t in tokens) or not addresses(it.request, text):
         return False
     return not it.facts or Question(it.request, list(it.facts)).stated_in(text)
 

@@ -16,6 +16,7 @@ greedy replies, and rank 0's are broadcast so that ranks agree token for token.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -70,6 +71,110 @@ def generate_rewrites(model, prompts: list[list[int]], max_new_tokens: int, eos_
     if was_training:
         model.train()
     return [replies[i] for i in range(len(prompts))]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One rewrite of a request: its tokens and their summed logprobs under the hinted prompt (the
+    teacher that wrote it) and under the plain prompt (the student, before training)."""
+
+    tokens: list[int]
+    hinted: float
+    plain: float
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+    return ids.to(device), mask.to(device)
+
+
+def _prefill(model, prompts: list[list[int]], rows: int, pad_id: int, device):
+    """Left-padded prompts through the model once, their KV cache repeated `rows` times per prompt.
+    Returns (last logits, cache, attention mask, next position), each with one row per candidate."""
+    ids, mask = _left_padded(prompts, pad_id, device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    out.cache.batch_repeat_interleave(rows)
+    return (out.logits[:, -1].float().repeat_interleave(rows, 0), out.cache, mask.repeat_interleave(rows, 0),
+            pos[:, -1].repeat_interleave(rows) + 1)
+
+
+def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: list[list[int]], n: int,
+                      max_new_tokens: int, temperature: float, eos_ids: set[int], pad_id: int,
+                      seed: int) -> list[list[Candidate]]:
+    """Per prompt, the greedy reply and `n` sampled ones to its hinted prompt, each scored under both
+    its hinted and its plain prompt.
+
+    Each prompt is prefilled once and its KV cache repeated for its 1 + n rows, so a long agent
+    prompt (OpenClaw sends ~8k tokens) costs one prefill, not 1 + n; prompts are batched with left
+    padding. Finished rows decode padding until every row is done. Logprobs are at temperature 1:
+    what the model assigns, not what the sampler did. Seeded: the same call gives the same candidates."""
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    rows, k = 1 + n, len(teacher_prompts)
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    greedy_row = (torch.arange(k * rows, device=device) % rows) == 0
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        logits, cache, mask, pos = _prefill(model, teacher_prompts, rows, pad_id, device)
+        tokens = torch.empty(k * rows, 0, dtype=torch.long, device=device)
+        hinted = torch.zeros(k * rows, device=device)
+        done = torch.zeros(k * rows, dtype=torch.bool, device=device)
+        for _ in range(max_new_tokens):
+            logp = F.log_softmax(logits, -1)
+            sampled = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=gen)[:, 0] if n \
+                else logp.argmax(-1)
+            nxt = torch.where(greedy_row, logp.argmax(-1), sampled)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            hinted += torch.where(done, 0.0, logp.gather(-1, nxt[:, None])[:, 0])
+            tokens = torch.cat([tokens, nxt[:, None]], 1)
+            done |= torch.isin(nxt, eos)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache,
+                           use_cache=True).logits[:, -1].float()
+            pos = pos + 1
+        replies = [cut_at_eos(r, eos_ids) for r in tokens.tolist()]
+        # The same replies after the plain prompts: one forward over every candidate, right-padded.
+        last, cache, mask, pos = _prefill(model, plain_prompts, rows, pad_id, device)
+        width = max(len(r) for r in replies)
+        ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in replies], device=device)
+        real = torch.tensor([[j < len(r) for j in range(width)] for r in replies], device=device)
+        logits = last[:, None]
+        if width > 1:
+            rest = model(input_ids=ids[:, :-1], attention_mask=torch.cat([mask, real[:, :-1].long()], 1),
+                         position_ids=pos[:, None] + torch.arange(width - 1, device=device), cache=cache).logits
+            logits = torch.cat([logits, rest.float()], 1)
+        plain = (F.log_softmax(logits, -1).gather(-1, ids[:, :, None])[:, :, 0] * real).sum(-1)
+    if was_training:
+        model.train()
+    cands = [Candidate(r, float(h), float(p)) for r, h, p in zip(replies, hinted.tolist(), plain.tolist())]
+    return [cands[i * rows : (i + 1) * rows] for i in range(k)]
+
+
+def choose(candidates: list[Candidate], usable: list[bool], select: str) -> int | None:
+    """The index of the rewrite to learn among the usable candidates, or None when none is usable.
+
+    `plain`: the most likely under the plain prompt (sum of logprobs), i.e. the hinted answer the
+    student finds least surprising. On SmolLM2-135M a style hint makes greedy answers lose facts the
+    plain model states ("A right angle is approximately 180 degrees"); of the hinted candidates, the
+    one the plain model finds most likely keeps them (issue #15, README). `poe`: the most likely
+    under both prompts together. `greedy`: the first (greedy) candidate."""
+    ok = [k for k, u in enumerate(usable) if u]
+    if not ok:
+        return None
+    if select == "greedy":
+        return ok[0]
+    score = {"plain": lambda c: c.plain, "poe": lambda c: c.plain + c.hinted}[select]
+    return max(ok, key=lambda k: score(candidates[k]))
 
 
 def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:

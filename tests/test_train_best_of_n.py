@@ -1,0 +1,99 @@
+"""Best-of-n rewrites (`train.rewrite_samples`, `train.rewrite_select`): the hinted policy writes the
+greedy rewrite and n sampled ones, each scored under the hinted and the plain prompt, and the usable
+one the selection prefers is learned. Tiny random Llama with SmolLM2's tokenizer; every figure is
+checked against an independent forward pass or `generate`."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from clawflow.feedback import SAMPLE_SCHEMA
+from clawflow.train.rewrite import Candidate, choose, cut_at_eos, sample_candidates
+from clawflow.train.teacher import teacher_prompt_ids
+from tests.test_train_opd import encode, run
+
+MAX_TOKENS = 12
+MESSAGES = [{"role": "user", "content": "Tell me more."}]
+HINT = "Answer in French, in one sentence."
+
+
+def summed_logprob(model, prompt: list[int], reply: list[int]) -> float:
+    ids = torch.tensor([prompt + reply])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    return float(lp.gather(-1, torch.tensor(reply)[:, None]).sum())
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return model, tok, teacher_prompt_ids(tok, MESSAGES, HINT, in_system=True), encode(tok, MESSAGES)
+
+
+def test_candidates_are_the_greedy_reply_and_samples_scored_under_both_prompts(tiny):
+    model, tok, hinted, plain = tiny
+    eos = {tok.eos_token_id}
+    other = [{"role": "user", "content": "Describe the ocean at night, please, in some detail."}]
+    prompts = [(hinted, plain), (teacher_prompt_ids(tok, other, "Shorter.", in_system=True), encode(tok, other))]
+    assert len(prompts[0][0]) != len(prompts[1][0])  # batched with left padding
+    per_prompt = sample_candidates(model, [h for h, _ in prompts], [p for _, p in prompts], 3, MAX_TOKENS, 1.0, eos,
+                                   0, seed=7)
+    assert [len(c) for c in per_prompt] == [4, 4]
+    for (h, p), cands in zip(prompts, per_prompt):
+        x = torch.tensor([h])
+        with torch.no_grad():
+            greedy = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=MAX_TOKENS, pad_token_id=0)
+        assert cands[0].tokens == cut_at_eos(greedy[0, x.shape[1]:].tolist(), eos)
+        assert len({tuple(c.tokens) for c in cands}) > 1  # a random model at temperature 1 does not repeat itself
+        for c in cands:
+            assert 0 < len(c.tokens) <= MAX_TOKENS
+            assert c.hinted == pytest.approx(summed_logprob(model, h, c.tokens), abs=2e-3)
+            assert c.plain == pytest.approx(summed_logprob(model, p, c.tokens), abs=2e-3)
+    again = sample_candidates(model, [h for h, _ in prompts], [p for _, p in prompts], 3, MAX_TOKENS, 1.0, eos, 0,
+                              seed=7)
+    assert [[c.tokens for c in cs] for cs in again] == [[c.tokens for c in cs] for cs in per_prompt]  # seeded
+
+
+@pytest.mark.parametrize("select, usable, expected", [
+    ("plain", [True, True, True], 2),
+    ("plain", [True, True, False], 1),  # the best is not usable
+    ("poe", [True, True, True], 1),
+    ("greedy", [False, True, True], 1),  # the first usable
+    ("plain", [False, False, False], None),
+])
+def test_choose_takes_the_usable_candidate_the_selection_prefers(select, usable, expected):
+    cands = [Candidate([1], hinted=-1.0, plain=-5.0), Candidate([2], hinted=-0.5, plain=-4.0),
+             Candidate([3], hinted=-9.0, plain=-3.0)]
+    assert choose(cands, usable, select) == expected
+
+
+@pytest.mark.slow  # one torchrun run: ~20 s
+def test_the_run_learns_the_candidate_chosen_by_the_plain_prompt(tiny, tiny_model_dir, tmp_path):
+    model, tok, hinted, plain = tiny
+    row = {"turn_id": "t0", "prompt_token_ids": plain, "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4,
+           "response_logprobs": [-1.0] * 4, "reward": -1.0, "hint": HINT, "messages": json.dumps(MESSAGES),
+           "tools": None, "group_id": None, "policy_version": 0}
+    batch = tmp_path / "samples.parquet"
+    pq.write_table(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), batch)
+    # the run's own seeding (seed 0, item 0) and selection, computed here independently
+    (cands,) = sample_candidates(model, [hinted], [plain], 3, MAX_TOKENS, 1.0, {tok.eos_token_id}, 0, seed=0)
+    best = max(cands, key=lambda c: c.plain)
+    other = min(cands, key=lambda c: c.plain)
+    assert other.tokens != best.tokens
+
+    out, metrics = run(tmp_path, tiny_model_dir, batch, "bon", lr=5e-3, epochs=10, objective="distill",
+                       rewrite_max_tokens=MAX_TOKENS, negative_weight=0.0, rewrite_samples=3,
+                       rewrite_temperature=1.0, rewrite_select="plain")
+    assert metrics["per_step"][0]["sft_tokens"] == len(best.tokens)
+    log = (tmp_path / "bon.log").read_text()
+    assert "best of 4 rewrites by 'plain'" in log
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    gain = {k: summed_logprob(trained, plain, c.tokens) - summed_logprob(model, plain, c.tokens)
+            for k, c in (("best", best), ("other", other))}
+    assert gain["best"] > 1.0 and gain["best"] > gain["other"], gain  # that candidate was learned, not another
