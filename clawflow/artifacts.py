@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from clawflow.config import Config
+from clawflow.home import Home
 
 MANIFEST = "clawflow_manifest.json"
 TAG = "clawflow.manifest_sha256"
@@ -65,7 +66,7 @@ def fetch(cfg: Config, version: int, source: str, expected: str | None, trainer_
     """The verified local copy of `version` (downloaded once, then served from the cache)."""
     if not expected:
         raise ChecksumError(f"v{version} has no {TAG} tag: it was not registered through the artifact store")
-    cache = cfg.home / "registry-cache" / cfg.model.name
+    cache = Home(cfg.home).registry_cache / cfg.model.name
     final = cache / f"v{version}"
     tmp = cache / f".v{version}.{uuid.uuid4().hex[:8]}.tmp"
     try:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from clawflow.contracts import sample
+from clawflow.contracts.sample import write_samples  # noqa: F401 - the orchestrator's writer, re-exported
+from clawflow.home import Home
 from clawflow.judge import Judge, JudgeInput, Judgment, judge_many
 from clawflow.judge.stats import combine_reward
 from clawflow.judge.store import JudgmentStore
@@ -25,18 +25,7 @@ from clawflow.store.storage import ObjectExists, Storage
 
 log = logging.getLogger("clawflow.feedback")
 
-SAMPLE_SCHEMA = pa.schema([
-    ("turn_id", pa.string()),
-    ("prompt_token_ids", pa.list_(pa.int32())),
-    ("response_token_ids", pa.list_(pa.int32())),
-    ("response_logprobs", pa.list_(pa.float32())),
-    ("reward", pa.float32()),
-    ("hint", pa.string()),
-    ("messages", pa.string()),  # JSON: the request, for the trainer's hint-augmented OPD teacher prompt
-    ("tools", pa.string()),  # JSON or null
-    ("group_id", pa.string()),  # samples of one prompt (n > 1, environments): GRPO normalization
-    ("policy_version", pa.int64()),  # the version that sampled the turn: staleness
-])
+SAMPLE_SCHEMA = sample.SCHEMA  # the contract (clawflow/contracts/sample.py), under its old name
 
 
 def judge_input(pair: dict[str, Any]) -> JudgeInput:
@@ -102,12 +91,6 @@ def training_samples(pairs: list[dict[str, Any]], judgments: list[dict[str, Any]
     return out
 
 
-def write_samples(samples: list[dict[str, Any]], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(samples, schema=SAMPLE_SCHEMA), path)
-    return path
-
-
 def keep_samples(storage: Storage, run_id: str, path: Path) -> str | None:
     """On an object-store root, a copy of a run's samples file at `runs/<run_id>/samples.parquet`
     beside the shards it came from: what each run trained on outlives the trainer host (the
@@ -115,7 +98,7 @@ def keep_samples(storage: Storage, run_id: str, path: Path) -> str | None:
     if not storage.remote:
         return None
     try:
-        return storage.put_bytes(Path(path).read_bytes(), f"runs/{run_id}/samples.parquet")
+        return storage.put_bytes(Path(path).read_bytes(), Home.samples_rel(run_id))
     except ObjectExists:  # a retried run whose samples came out different: the first record stays
-        log.warning("runs/%s/samples.parquet already exists with other contents; kept", run_id)
+        log.warning("%s already exists with other contents; kept", Home.samples_rel(run_id))
         return None

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from clawflow.config import REPO_ROOT, Config, ModelConfig
+from clawflow.home import Home
 
 log = logging.getLogger("clawflow.models")
 _DONE = ".clawflow-complete"
@@ -46,7 +47,7 @@ def model_dir(m: ModelConfig, home: Path) -> str:
     """`base_model_dir` for any model config (the judge's reader is one), under `home`/models."""
     if not m.gguf and not m.tiny:
         return str(m.path)
-    target = home / "models" / m.name
+    target = Home(home).models / m.name
     if (target / _DONE).exists():
         add_tool_template(target)  # a directory materialized before tool templates existed
         return str(target)

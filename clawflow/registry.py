@@ -21,6 +21,7 @@ from typing import Any
 
 from clawflow import artifacts
 from clawflow.config import Config
+from clawflow.home import Home
 
 CHAMPION, PREVIOUS = "champion", "previous"
 
@@ -110,7 +111,7 @@ def resolve_local(cfg: Config, ref: int | str, trainer_state: bool = False) -> t
 def _registry_lock(cfg: Config):
     """One registering process at a time per home (`up` and serve-policy may start together)."""
     cfg.home.mkdir(parents=True, exist_ok=True)
-    with open(cfg.home / ".registry.lock", "w") as f:
+    with open(Home(cfg.home).registry_lock, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         yield
 

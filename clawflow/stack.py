@@ -21,6 +21,7 @@ import httpx
 import yaml
 
 from clawflow.config import REPO_ROOT, Config
+from clawflow.home import Home
 
 BIN = Path(sys.executable).parent
 
@@ -30,7 +31,7 @@ def service_env(cfg: Config) -> dict[str, str]:
     env.update({
         "CLAWFLOW_HOME": str(cfg.home),
         "CLAWFLOW_CONFIG": str(cfg.source_file),
-        "PREFECT_HOME": str(cfg.home / "prefect"),
+        "PREFECT_HOME": str(Home(cfg.home).prefect),
         "PREFECT_API_URL": f"http://127.0.0.1:{cfg.services.prefect_port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "3",
@@ -59,12 +60,13 @@ def adopt_prefect_api(cfg: Config) -> str | None:
 
 
 def _start(cfg: Config, name: str, argv: list[str], env: dict[str, str]) -> int:
-    (cfg.home / "logs").mkdir(parents=True, exist_ok=True)
-    (cfg.home / "run").mkdir(parents=True, exist_ok=True)
-    pidfile = cfg.home / "run" / f"{name}.pid"
+    home = Home(cfg.home)
+    home.logs.mkdir(parents=True, exist_ok=True)
+    home.run.mkdir(parents=True, exist_ok=True)
+    pidfile = home.run / f"{name}.pid"
     if pidfile.exists() and _alive(int(pidfile.read_text())):
         return int(pidfile.read_text())
-    log = open(cfg.home / "logs" / f"{name}.log", "ab")
+    log = open(home.logs / f"{name}.log", "ab")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                             start_new_session=True)  # own process group: `down` stops its children too
     pidfile.write_text(str(proc.pid))
@@ -105,7 +107,7 @@ def _serve_policy_failure(cfg: Config) -> str | None:
     state = (runs[0].get("state") or {}) if runs else {}
     capped = state.get("type") == "CANCELLED" and "consecutive failures" in (state.get("message") or "")
     if state.get("type") in ("FAILED", "CRASHED") or capped:  # capped: the restart guard gave up
-        return f"{state.get('message')} (full log: {cfg.home / 'logs' / 'worker.log'})"
+        return f"{state.get('message')} (full log: {Home(cfg.home).logs / 'worker.log'})"
     return None
 
 
@@ -140,7 +142,7 @@ def render_prefect_yaml(cfg: Config) -> Path:
             for trig in dep.get("triggers", []):
                 trig["threshold"] = cfg.services.train_trigger_threshold
                 trig["within"] = cfg.services.train_trigger_within_s
-    out = cfg.home / "prefect.rendered.yaml"
+    out = Home(cfg.home).prefect_rendered
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.dump(spec, Dumper=_NoAliases, sort_keys=False))
     return out
@@ -162,7 +164,7 @@ def check_ports(cfg: Config) -> None:
 
 
 def _pid_alive(cfg: Config, name: str) -> bool:
-    pidfile = cfg.home / "run" / f"{name}.pid"
+    pidfile = Home(cfg.home).run / f"{name}.pid"
     return pidfile.exists() and _alive(int(pidfile.read_text()))
 
 
@@ -201,7 +203,7 @@ def down(cfg: Config, echo=print) -> None:
     # The gateway first: on SIGTERM it seals its segments and its serve-policy run ends Completed
     # (a crash would trigger the always-on restart); then the worker and the servers.
     for name in ("gateway", "worker", "mlflow-server", "prefect-server"):
-        pidfile = cfg.home / "run" / f"{name}.pid"
+        pidfile = Home(cfg.home).run / f"{name}.pid"
         if not pidfile.exists():
             continue
         pid = int(pidfile.read_text())

@@ -15,13 +15,14 @@ from clawflow import events, ops, registry
 from clawflow.config import Config
 from clawflow.gate import GateResult, evaluate
 from clawflow.holdout import held_out_turns
+from clawflow.home import Home
 from clawflow.models import base_model_dir
 from clawflow.restarts import RestartDecision, restart_decision
 from clawflow.store.catalog import Catalog
 
 
 def helpfulness_cache(cfg: Config):
-    return cfg.home / "eval" / "helpfulness"
+    return Home(cfg.home).eval / "helpfulness"
 
 
 @task(name="held-out-probes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

@@ -13,7 +13,9 @@ from prefect.cache_policies import NO_CACHE
 
 from clawflow import events, ops, registry
 from clawflow.config import Config
-from clawflow.feedback import judge_pairs, keep_samples, training_samples, write_samples
+from clawflow.contracts.sample import write_samples
+from clawflow.feedback import judge_pairs, keep_samples, training_samples
+from clawflow.home import Home
 from clawflow.judge import make_judge
 from clawflow.judge.stats import combine_reward, judge_stats
 from clawflow.judge.store import JudgmentStore
@@ -101,10 +103,10 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, An
     interruption resumes the run from `<run_id>.resume`. Step metrics go to the MLflow run.
     Returns (None, {"reason": ...}) when the recipe finds nothing to train on (e.g. every GRPO
     group has equal rewards, or OPD samples without a usable hint): a result, not a failure."""
-    run_dir = cfg.home / "runs" / run_id
-    batch = write_samples(samples, run_dir / "samples.parquet")
+    home = Home(cfg.home)
+    batch = write_samples(samples, home.samples(run_id))
     keep_samples(Storage.for_config(cfg), run_id, batch)
-    out = cfg.home / "checkpoints" / run_id
+    out = home.checkpoints / run_id
     done = out / "train_metrics.json"
     if done.exists():  # a retry after the checkpoint was written: reuse it, don't train twice
         metrics = json.loads(done.read_text())

@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from clawflow.config.base import REPO_ROOT, _Strict  # noqa: F401  (REPO_ROOT: re-exported)
 from clawflow.config.train import LoraSpec, TrainConfig  # noqa: F401  (LoraSpec: re-exported)
+from clawflow.home import Home
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
@@ -305,11 +306,11 @@ class Config(_Strict):
 
     @property
     def tracking_uri(self) -> str:
-        return self.registry.tracking_uri or f"sqlite:///{self.home / 'mlflow.db'}"
+        return self.registry.tracking_uri or f"sqlite:///{Home(self.home).mlflow_db}"
 
     @property
     def artifact_root(self) -> Path:
-        return self.home / "mlartifacts"
+        return Home(self.home).mlartifacts
 
     @property
     def gateway_url(self) -> str:

@@ -10,8 +10,9 @@ next state with no special path for environments.
 
 Outcome rewards travel beside the turns, not through the gateway: the episode's outcome is known
 only after its last reply is recorded, so the runner appends rows (session_id, turn_index,
-response_text, env_reward, source) to `$CLAWFLOW_HOME/env_rewards/*.parquet` (rewards.py), like
-the judge's judgments; the catalog can join them by (session_id, turn_index[, response_text]).
+response_text, env_reward, source) to `env_rewards/*.parquet` of the storage root (the contract in
+clawflow/contracts/env_reward.py), like the judge's judgments; the catalog can join them by
+(session_id, turn_index[, response_text]).
 
 Groups (GRPO): with `group_n` > 1 the first turn asks for n choices; the gateway records all n
 with one group_id, the episode continues with choice 0, and each choice that the environment

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from clawflow.config import Config
+from clawflow.home import Home
 from clawflow.models import base_model_dir
 
 log = logging.getLogger("clawflow.server")
@@ -89,7 +90,7 @@ def serve(cfg: Config, host: str | None = None, port: int | None = None) -> None
     import uvicorn
 
     app = build_app(cfg)
-    run_dir = cfg.home / "run"
+    run_dir = Home(cfg.home).run
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "gateway.pid").write_text(str(os.getpid()))  # `clawflow down` stops it with SIGTERM
     uvicorn.run(app, host=host or cfg.serving.host, port=port or cfg.serving.port, log_level="info")

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from clawflow.store import journal, queries
+from clawflow.home import Home
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
 from clawflow.store.record import sql_columns
@@ -81,7 +82,7 @@ class Catalog:
     @classmethod
     def for_config(cls, cfg) -> "Catalog":
         storage = Storage.for_config(cfg)
-        return cls(cfg.home / "catalog.duckdb", storage.join("shards"), home=cfg.home,
+        return cls(Home(cfg.home).catalog, storage.join(Home.SHARDS), home=cfg.home,
                    claim_ttl_s=cfg.store.claim_ttl_s, storage=storage)
 
     # -- connections and shard registration ------------------------------------------------
@@ -122,7 +123,7 @@ class Catalog:
             journal.recover(self.home, self.storage)
             known = {p: (m, b) for p, m, b in con.execute("SELECT path, mtime, bytes FROM shards").fetchall()}
             if self.storage.remote:
-                on_disk = {e.rel: (e.path, e.mtime, e.size) for e in self.storage.list("shards")}
+                on_disk = {e.rel: (e.path, e.mtime, e.size) for e in self.storage.list(Home.SHARDS)}
             else:
                 on_disk = {}
                 for path in shard_files(self.shards_dir):
@@ -192,7 +193,7 @@ class Catalog:
         return str(Path(path).relative_to(self.shards_dir))
 
     def shard_path(self, rel: str) -> Path | str:
-        return self.storage.join("shards", rel) if self.storage.remote else self.shards_dir / rel
+        return self.storage.join(Home.SHARDS, rel) if self.storage.remote else self.shards_dir / rel
 
     def _inspect(self, path: Path | str):
         if not self.storage.remote:
@@ -230,10 +231,11 @@ class Catalog:
             quarantine(path, self.home, reason)
             return
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        target = self.storage.move(path, f"quarantine/{stamp}-{rel.replace('/', '__')}")
+        name = f"{Home.QUARANTINE}/{stamp}-{rel.replace('/', '__')}"
+        target = self.storage.move(path, name)
         self.storage.put_bytes(json.dumps({"original": str(path), "reason": reason,
                                            "quarantined_at": datetime.now(UTC).isoformat()}).encode(),
-                               f"quarantine/{stamp}-{rel.replace('/', '__')}.reason.json")
+                               f"{name}.reason.json")
         STORE.add(shards_quarantined=1)
         log.error("quarantined corrupt shard %s -> %s: %s", path, target, reason)
 

@@ -21,12 +21,13 @@ import uuid
 from contextlib import suppress
 from pathlib import Path
 
+from clawflow.home import Home
 from clawflow.store.shards import TMP_SUFFIX, remove_stale_temps
 from clawflow.store.wal import fsync_dir
 
 log = logging.getLogger("clawflow.store.journal")
 
-DIR = "store-journal"
+DIR = Home.JOURNAL
 
 
 def replace_shards(home: Path, outputs: list[Path], inputs: list[Path]) -> None:
@@ -116,10 +117,10 @@ def recover(home: Path, storage=None) -> int:
         else:
             _finish(home, journal, entry)
         done += 1
-    for orphan in storage.list("staging") if remote else []:  # staged, never committed
+    for orphan in storage.list(Home.STAGING) if remote else []:  # staged, never committed
         if str(orphan.path) not in pending:
             storage.delete(orphan.path)
     for tmp in jdir.glob(f"*{TMP_SUFFIX}") if jdir.is_dir() else []:
         tmp.unlink()
-    remove_stale_temps(home / "shards")
+    remove_stale_temps(Home(home).shards)
     return done

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from clawflow.home import Home
+
 _local = threading.local()  # re-entrant per thread: maintenance may call the sealer's helpers
 
 
@@ -26,7 +28,7 @@ def store_lock(home: Path) -> Iterator[None]:
         yield
         return
     Path(home).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(home) / "store.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(Home(home).store_lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         held.add(key)

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from clawflow.store import journal
+from clawflow.home import Home
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
 from clawflow.store.record import ARROW_SCHEMA, upgrade_table
@@ -93,7 +94,8 @@ def _compact_objects(cat: Catalog, target_bytes: int, row_group_rows: int) -> li
             table = pa.concat_tables([upgrade_table(cat.storage.read_table(p)) for p in inputs])
             table = table.sort_by([("created_at", "ascending"), ("turn_id", "ascending")])
             out = str(cat.shard_path(f"{group[0].removesuffix('.parquet')}-c{uuid.uuid4().hex[:8]}.parquet"))
-            staged = cat.storage.put_bytes(shard_bytes(table, row_group_rows), f"staging/{uuid.uuid4().hex}.parquet")
+            staging = f"{Home.STAGING}/{uuid.uuid4().hex}.parquet"
+            staged = cat.storage.put_bytes(shard_bytes(table, row_group_rows), staging)
             journal.replace_objects(cat.home, cat.storage, staged, out, inputs)
             cat.unregister(con, group)
             cat.register(con, out, cat.storage.mtime(out))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from clawflow.home import Home
 from clawflow.store.metrics import STORE
 from clawflow.store.shards import shard_files
 from clawflow.store.storage import ObjectExists, Storage
@@ -39,7 +40,7 @@ class Published:
 
 
 def outbox_dir(home: Path) -> Path:
-    return Path(home) / "outbox" / "shards"
+    return Home(home).outbox
 
 
 def publish(outbox: Path, storage: Storage) -> list[Published]:
@@ -51,12 +52,12 @@ def publish(outbox: Path, storage: Storage) -> list[Published]:
         try:
             data = path.read_bytes()
             try:
-                url = storage.put_bytes(data, f"shards/{rel}")
+                url = storage.put_bytes(data, f"{Home.SHARDS}/{rel}")
             except ObjectExists:  # another writer took the name: ours goes next to it, named by content,
                 # so putting it again after a crash finds the same object instead of a second copy
                 alt = f"{rel.removesuffix('.parquet')}-{hashlib.sha256(data).hexdigest()[:12]}.parquet"
-                log.warning("shards/%s exists with other contents; uploading as shards/%s", rel, alt)
-                url = storage.put_bytes(data, f"shards/{alt}")
+                log.warning("%s/%s exists with other contents; uploading as %s/%s", Home.SHARDS, rel, Home.SHARDS, alt)
+                url = storage.put_bytes(data, f"{Home.SHARDS}/{alt}")
         except Exception as exc:  # noqa: BLE001 - any store failure: keep it locally, retry later
             STORE.add(shard_upload_failures=1)
             log.warning("object store %s unavailable (%s: %s); %d sealed shard(s) wait in %s",

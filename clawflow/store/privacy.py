@@ -27,6 +27,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from clawflow.contracts.judgment import COL as J
+from clawflow.contracts.judgment import judgment_files
+from clawflow.contracts.sample import COL as S
+from clawflow.contracts.sample import sample_files
+from clawflow.home import Home
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
 from clawflow.store.maintenance import rewrite_without
@@ -104,14 +109,14 @@ def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) ->
             catalog_rows += len(con.execute(f"DELETE FROM {table} WHERE list_contains($ids, turn_id) RETURNING turn_id",
                                             {"ids": ids}).fetchall())
         con.execute("CHECKPOINT").fetchall()  # deleted rows leave the WAL file now, not later
-        wal = _forget_in_segments(home / "wal", session_id)
+        wal = _forget_in_segments(Home(home).wal, session_id)
         storage = cat.storage  # the storage root: local, or the object store every host shares
-        judgments = sum(_drop_rows(storage, e.path, session_id, ids) for e in storage.list("judgments"))
-        local = Storage(home)  # the trainer's own copies of past batches
-        samples = sum(_drop_rows(local, p, None, ids) for p in sorted((home / "runs").glob("*/samples.parquet")))
-        if storage.remote:  # the copies kept beside the shards (feedback.keep_samples)
-            samples += sum(_drop_rows(storage, e.path, None, ids) for e in storage.list("runs")
-                           if e.rel.endswith("/samples.parquet"))
+        judgments = sum(_drop_rows(storage, p, ids, J.turn_id, (J.session_id, session_id))
+                        for p in judgment_files(storage))
+        # the trainer's own copies of past batches, and on an object store the copies kept beside
+        # the shards (feedback.keep_samples)
+        roots = [Storage(home)] + ([storage] if storage.remote else [])
+        samples = sum(_drop_rows(root, p, ids, S.turn_id) for root in roots for p in sample_files(root))
     report = ForgetReport(removed, len(files), wal, judgments, samples, catalog_rows)
     log.info("forgot a session: %s", report)
     return report
@@ -142,13 +147,15 @@ def _forget_in_segments(wal_dir: Path, session_id: str) -> int:
     return removed
 
 
-def _drop_rows(storage: Storage, path: Path | str, session_id: str | None, turn_ids: list[str]) -> int:
-    """Rewrite a Parquet file (keeping its schema) without rows of the session or those turn ids."""
+def _drop_rows(storage: Storage, path: Path | str, turn_ids: list[str], id_column: str,
+               session: tuple[str, str] | None = None) -> int:
+    """Rewrite a Parquet file (keeping its schema) without rows of those turn ids or, with
+    `session` = (column, id), of that session."""
     table = storage.read_table(path)
-    mask = pc.is_in(table["turn_id"], value_set=pa.array(turn_ids, pa.string())) if "turn_id" in table.column_names \
+    mask = pc.is_in(table[id_column], value_set=pa.array(turn_ids, pa.string())) if id_column in table.column_names \
         else pa.array([False] * table.num_rows)
-    if session_id is not None and "session_id" in table.column_names:
-        mask = pc.or_(mask, pc.fill_null(pc.equal(table["session_id"], session_id), False))
+    if session is not None and session[0] in table.column_names:
+        mask = pc.or_(mask, pc.fill_null(pc.equal(table[session[0]], session[1]), False))
     mask = pc.fill_null(mask, False)
     n = pc.sum(mask).as_py() or 0
     if n:

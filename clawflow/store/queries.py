@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from clawflow.contracts.env_reward import COL as E
+from clawflow.contracts.env_reward import env_reward_files
+from clawflow.contracts.judgment import COL as J
+from clawflow.contracts.judgment import judgment_files
 from clawflow.store.storage import Storage
 
 if TYPE_CHECKING:
@@ -121,10 +125,12 @@ def closed_without_next_state(cat: Catalog, con: duckdb.DuckDBPyConnection, idle
     return attach_env_rewards(cat, con, [rows[k[0]] for k in keys])
 
 
-_ENV_REWARDS = """
-WITH r AS (SELECT session_id, turn_index, response_text, arg_max(env_reward, created_at) AS env_reward
+# The files' columns are named once, in the contract; the rest of the query uses these aliases.
+_ENV_REWARDS = f"""
+WITH r AS (SELECT {E.session_id} AS session_id, {E.turn_index} AS turn_index, {E.response_text} AS response_text,
+                  arg_max({E.env_reward}, {E.created_at}) AS env_reward
            FROM read_parquet($env_files, union_by_name = true)
-           WHERE list_contains($sessions, session_id) AND env_reward IS NOT NULL GROUP BY ALL),
+           WHERE list_contains($sessions, {E.session_id}) AND {E.env_reward} IS NOT NULL GROUP BY ALL),
 k AS (SELECT session_id, turn_index, count(*) AS n, min(env_reward) AS only_reward FROM r GROUP BY ALL),
 o AS (SELECT session_id, arg_max(env_reward, turn_index) AS outcome FROM r GROUP BY session_id),
 t AS (SELECT unnest($ids) AS turn_id, unnest($sessions) AS session_id, unnest($idx) AS turn_index,
@@ -141,7 +147,7 @@ def attach_env_rewards(cat: Catalog, con: duckdb.DuckDBPyConnection,
                        rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Set each row's `env_reward` from the environments' outcome files (see the module doc),
     unless its turn record already carries one; rows are changed in place and returned."""
-    files = [str(e.path) for e in cat.storage.list("env_rewards")]
+    files = env_reward_files(cat.storage)
     todo = [r for r in rows if r.get("env_reward") is None]
     if not files or not todo:
         return rows
@@ -157,12 +163,12 @@ def judgments_from(root: Storage | Path, judge: str | None = None) -> tuple[str,
     """Latest judgment per turn (score), from the judge's Parquet files under the storage root
     (a Path: a local root); empty when there are none."""
     storage = root if isinstance(root, Storage) else Storage(root)
-    files = [str(e.path) for e in storage.list("judgments")]
+    files = [str(f) for f in judgment_files(storage)]
     if not files:
         return "(SELECT NULL::VARCHAR AS turn_id, NULL::TINYINT AS score WHERE false)", {}
-    where = "WHERE judge = $judge" if judge else ""
-    sql = (f"(SELECT turn_id, arg_max(score, created_at) AS score FROM read_parquet($judgment_files, "
-           f"union_by_name = true) {where} GROUP BY turn_id)")
+    where = f"WHERE {J.judge} = $judge" if judge else ""
+    sql = (f"(SELECT {J.turn_id} AS turn_id, arg_max({J.score}, {J.created_at}) AS score "
+           f"FROM read_parquet($judgment_files, union_by_name = true) {where} GROUP BY {J.turn_id})")
     return sql, {"judgment_files": files, **({"judge": judge} if judge else {})}
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from clawflow.config import StoreConfig
 from clawflow.events import SHARD_SEALED, emit
+from clawflow.home import Home
 from clawflow.store import journal
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
@@ -202,7 +203,7 @@ def open_store(home: Path, store_cfg: StoreConfig) -> tuple[SegmentWriter, Seale
     home = Path(home)
     storage = Storage.from_store(home, store_cfg)
     # an object-store root: seal into the local outbox, upload from there (outbox.py)
-    wal_dir, shards_dir = home / "wal", outbox_dir(home) if storage.remote else Path(storage.join("shards"))
+    wal_dir, shards_dir = Home(home).wal, outbox_dir(home) if storage.remote else Path(storage.join(Home.SHARDS))
     with store_lock(home):
         journal.recover(home)  # an interrupted compaction, temp files of an interrupted seal
         if storage.remote:

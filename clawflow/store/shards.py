@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from clawflow.home import Home
 from clawflow.store.metrics import STORE
 from clawflow.store.record import ARROW_SCHEMA, SCHEMA_VERSION, schema_version, upgrade_table
 from clawflow.store.wal import fsync_dir
@@ -116,10 +117,10 @@ def inspect_shard(path: Path | str, data: pa.Buffer | None = None) -> tuple[Shar
 def quarantine(path: Path, home: Path, reason: str) -> Path:
     """Move a bad shard out of `shards/` (keeping its relative path in the name) with its reason."""
     path, home = Path(path), Path(home)
-    qdir = home / "quarantine"
+    qdir = Home(home).quarantine
     qdir.mkdir(parents=True, exist_ok=True)
     try:
-        rel = path.relative_to(home / "shards")
+        rel = path.relative_to(Home(home).shards)
     except ValueError:
         rel = Path(path.name)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")

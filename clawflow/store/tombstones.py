@@ -14,9 +14,10 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+from clawflow.home import Home
 from clawflow.store.wal import fsync_dir
 
-FILE = "forgotten.jsonl"
+FILE = Home.TOMBSTONES
 
 
 def session_hash(session_id: str) -> str:

@@ -1,8 +1,8 @@
 """The training batch: samples read from a Parquet file, collated into padded tensors.
 
-A sample is one assistant turn with its judgment: the prompt token ids, the response token ids and
-their logprobs exactly as the engine sampled them, the reward, and (for OPD) a hindsight hint plus
-the request's messages so the trainer can build the hint-augmented teacher prompt.
+A sample (clawflow/contracts/sample.py) is one assistant turn with its judgment: the prompt token
+ids, the response token ids and their logprobs exactly as the engine sampled them, the reward, and
+(for OPD) a hindsight hint plus the request's messages for the hint-augmented teacher prompt.
 
 Layout after `collate` (prompts left-padded, responses right-padded, so every response starts at
 the same column and the model only needs logits for the last R + 1 positions):
@@ -16,67 +16,13 @@ the same column and the model only needs logits for the last R + 1 positions):
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
-import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-REQUIRED = ("prompt_token_ids", "response_token_ids", "response_logprobs", "reward")
-OPTIONAL = ("turn_id", "hint", "messages", "tools", "group_id", "policy_version")
+# The sample file's one schema, record and reader live with the writer's (clawflow/contracts/sample.py).
+from clawflow.contracts.sample import OPTIONAL, REQUIRED, Sample, read_samples  # noqa: F401 - re-exported
 
-
-@dataclass(slots=True)
-class Sample:
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]
-    response_logprobs: list[float]
-    reward: float
-    hint: str | None = None
-    messages: list[dict] | None = None  # the request, for the hint-augmented teacher prompt
-    tools: list[dict] | None = None
-    group_id: str | None = None
-    policy_version: int = 0
-    turn_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("sample has an empty prompt (the first response token needs one)")
-        if len(self.response_logprobs) != len(self.response_token_ids):
-            raise ValueError(
-                f"sample has {len(self.response_token_ids)} response tokens but "
-                f"{len(self.response_logprobs)} logprobs"
-            )
-
-
-def _json(value):
-    return json.loads(value) if isinstance(value, str) and value else None
-
-
-def load_samples(parquet_path: str | Path) -> list[Sample]:
-    """Read the training columns of a Parquet file (missing optional columns get defaults)."""
-    names = set(pq.read_schema(parquet_path).names)
-    missing = [c for c in REQUIRED if c not in names]
-    if missing:
-        raise ValueError(f"{parquet_path} lacks columns {missing}")
-    table = pq.read_table(parquet_path, columns=list(REQUIRED) + [c for c in OPTIONAL if c in names])
-    samples = []
-    for row in table.to_pylist():
-        samples.append(Sample(
-            prompt_token_ids=list(row["prompt_token_ids"]),
-            response_token_ids=list(row["response_token_ids"]),
-            response_logprobs=[float(x) for x in row["response_logprobs"]],
-            reward=float(row["reward"] or 0.0),
-            hint=(row.get("hint") or "").strip() or None,
-            messages=_json(row.get("messages")),
-            tools=_json(row.get("tools")),
-            group_id=row.get("group_id") or None,
-            policy_version=int(row.get("policy_version") or 0),
-            turn_id=row.get("turn_id"),
-        ))
-    return samples
+load_samples = read_samples  # the trainer's name for the contract's reader
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int,

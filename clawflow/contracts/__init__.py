@@ -1,0 +1,21 @@
+"""The shapes a turn takes between stages that are persisted as Parquet, each defined once.
+
+Each module holds one contract: a typed record, its Arrow schema (column names and types are the
+file format: existing files must keep reading), and its one writer and reader, used by both the
+stage that writes and the stages that read.
+
+- sample.py: the training sample (orchestrator → trainer), `runs/<run_id>/samples.parquet`
+- judgment.py: the judge's row, `judgments/*.parquet`
+- env_reward.py: an environment's outcome for a turn, `env_rewards/*.parquet`
+
+The turn record itself (the gateway's shards) keeps its versioned schema in
+clawflow/store/record.py, with its upgrade path. Ground floor: these import only clawflow.home,
+never a stage's package; the storage root they read and write is a Protocol (_parquet.Root).
+"""
+
+from clawflow.contracts.env_reward import EnvReward, read_env_rewards, write_env_rewards
+from clawflow.contracts.judgment import JudgmentRow, read_judgments, write_judgments
+from clawflow.contracts.sample import Sample, read_samples, write_samples
+
+__all__ = ["EnvReward", "JudgmentRow", "Sample", "read_env_rewards", "read_judgments", "read_samples",
+           "write_env_rewards", "write_judgments", "write_samples"]
