@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow.feedback import SAMPLE_SCHEMA
-from clawflow.train.rewrite import Candidate, choose, cut_at_eos, sample_candidates
+from clawflow.train.rehearsal import load_rehearsal
+from clawflow.train.rewrite import Candidate, choose, cut_at_eos, hint_strength, sample_candidates
 from clawflow.train.teacher import teacher_prompt_ids
 from tests.test_train_opd import encode, run
 
@@ -97,3 +98,42 @@ def test_the_run_learns_the_candidate_chosen_by_the_plain_prompt(tiny, tiny_mode
     gain = {k: summed_logprob(trained, plain, c.tokens) - summed_logprob(model, plain, c.tokens)
             for k, c in (("best", best), ("other", other))}
     assert gain["best"] > 1.0 and gain["best"] > gain["other"], gain  # that candidate was learned, not another
+
+
+def test_hint_strength_is_the_mean_per_token_log_ratio_of_the_greedy_replies():
+    ignored = [Candidate([1, 2], hinted=-4.0, plain=-4.0), Candidate([3], hinted=-1.0, plain=-1.2)]
+    followed = [Candidate([1, 2], hinted=-2.0, plain=-8.0)]
+    assert hint_strength(ignored) == pytest.approx(0.1)
+    assert hint_strength(followed) == pytest.approx(3.0)
+    assert hint_strength([]) == 0.0
+
+
+@pytest.mark.slow  # one torchrun run: ~20 s
+def test_strongest_hint_rewrites_every_corrected_turn(tiny, tiny_model_dir, tmp_path):
+    model, tok, _, _ = tiny
+    eos = {tok.eos_token_id}
+    turns = [([{"role": "user", "content": "Tell me more."}], "Answer in French, in one sentence."),
+             ([{"role": "user", "content": "Can you do it?"}], "Reply with a single digit only.")]
+    dots = [tok.convert_tokens_to_ids(".")] * 4
+    rows = [{"turn_id": f"t{i}", "prompt_token_ids": encode(tok, m), "response_token_ids": dots,
+             "response_logprobs": [-1.0] * 4, "reward": -1.0, "hint": h, "messages": json.dumps(m), "tools": None,
+             "group_id": None, "policy_version": 0} for i, (m, h) in enumerate(turns)]
+    batch = tmp_path / "samples.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), batch)
+    # what the run measures, computed here independently: greedy answers to the first rehearsal questions
+    probes = [[{"role": "user", "content": q.prompt}] for q in load_rehearsal()[:4]]
+    strength = {}
+    for _, h in turns:
+        greedy = sample_candidates(model, [teacher_prompt_ids(tok, m, h, in_system=True) for m in probes],
+                                   [encode(tok, m) for m in probes], 0, 48, 1.0, eos, 0, seed=0)
+        strength[h] = hint_strength([c[0] for c in greedy])
+    best = max(strength, key=strength.get)
+    assert abs(strength[turns[0][1]] - strength[turns[1][1]]) > 1e-3
+    rewrites = sample_candidates(model, [teacher_prompt_ids(tok, m, best, in_system=True) for m, _ in turns],
+                                 [encode(tok, m) for m, _ in turns], 0, MAX_TOKENS, 1.0, eos, 0, seed=0)
+
+    _, metrics = run(tmp_path, tiny_model_dir, batch, "strongest", lr=5e-3, epochs=1, objective="distill",
+                     rewrite_max_tokens=MAX_TOKENS, negative_weight=0.0, rewrite_hints="strongest")
+    log = (tmp_path / "strongest.log").read_text()
+    assert f"every rewrite reads {best!r}" in log
+    assert metrics["per_step"][0]["sft_tokens"] == sum(len(c[0].tokens) for c in rewrites)

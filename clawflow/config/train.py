@@ -45,6 +45,10 @@ class TrainConfig(_Strict):
     rewrite_samples: int = Field(0, ge=0)
     rewrite_temperature: float = Field(0.7, gt=0.0)
     rewrite_select: Literal["plain", "poe", "greedy"] = "plain"
+    # `own`: each rewrite reads its turn's hint; `strongest`: every rewrite (and rehearsal) reads the
+    # run's hint that changes the policy's answers most ("Answer in no more than 30 words." rather
+    # than "That's way too long.", which a small model ignores): train/rewrite.py `hint_strength`
+    rewrite_hints: Literal["own", "strongest"] = "own"
     # distill: general questions per run answered by the policy with one of the run's correction hints,
     # learned when they still state their key fact (train/rehearsal.py); 0 = off.
     # Questions: default configs/train/rehearsal.yaml

@@ -46,6 +46,9 @@ class Item:
     rewrite: bool = False  # distill: `response` is replaced by the hinted policy's reply before training
     request: str = ""  # distill: the last user message's text (a rewrite must still answer it)
     facts: tuple[str, ...] = ()  # rehearsal: a rewrite must state one of these (helpfulness.Question)
+    hint: str = ""  # distill: the hint in `teacher_prompt`, and what it was built from (to rebuild it with another)
+    messages: list | None = None
+    tools: list | None = None
 
 
 def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample], tokenizer,
@@ -75,7 +78,8 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
         teacher = teacher_prompt_ids(tokenizer, s.messages, s.hint, s.tools, in_system=in_system) if uses else None
         items.append(Item(i, s.prompt_token_ids, s.response_token_ids, s.response_logprobs,
                           float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i]),
-                          last_user_text(s.messages) if rewrite[i] else ""))
+                          last_user_text(s.messages) if rewrite[i] else "",
+                          hint=s.hint or "", messages=s.messages if rewrite[i] else None, tools=s.tools))
     rehearsed = rehearsal_items(cfg, [s.hint for i, s in enumerate(samples) if rewrite[i] and active[i]],
                                 tokenizer, len(samples), parent_version) if objective.rewrites else []
     counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
@@ -95,7 +99,7 @@ def rehearsal_items(cfg: TrainConfig, hints: list[str], tokenizer, first_index: 
         messages = [{"role": "user", "content": q.prompt}]
         hinted = teacher_prompt_ids(tokenizer, messages, hint, in_system=cfg.rewrite_hint == "system")
         out.append(Item(first_index + k, chat_prompt_ids(tokenizer, messages), [], [], 0.0, 1.0, hinted, True,
-                        q.prompt, tuple(q.facts)))
+                        q.prompt, tuple(q.facts), hint=hint, messages=messages))
     return out
 
 

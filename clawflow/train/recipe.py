@@ -48,11 +48,15 @@ from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
-from clawflow.train.rewrite import addresses, choose, eos_token_ids, generate_rewrites, sample_candidates
+from clawflow.train.rehearsal import load_rehearsal
+from clawflow.train.rewrite import (addresses, choose, eos_token_ids, generate_rewrites, hint_strength,
+                                    sample_candidates)
+from clawflow.train.teacher import chat_prompt_ids, teacher_prompt_ids
 from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
 REWRITE_GROUP = 8  # prompts sampled together (each with 1 + train.rewrite_samples rows)
+HINT_PROBE_TOKENS = 48  # greedy tokens per probe question when hints are compared
 
 
 class Interrupted(Exception):
@@ -116,6 +120,8 @@ class Recipe:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.base_dir)
+        if missing and self.cfg.rewrite_hints == "strongest":
+            self.use_strongest_hint(model, missing, tok)
         if missing:
             t0 = time.monotonic()
             if self.cfg.rewrite_samples:
@@ -140,6 +146,32 @@ class Recipe:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
         self.total_steps = len(self.plan) * self.cfg.epochs
+
+    def use_strongest_hint(self, model, items: list[Item], tok) -> None:
+        """`train.rewrite_hints: strongest`: measure each distinct hint of the run by how much it changes
+        the policy's greedy answers to a few rehearsal questions (train/rewrite.py `hint_strength`), then
+        rebuild every rewrite's prompt with the strongest one."""
+        hints = sorted({it.hint.strip() for it in items if it.hint.strip()})
+        if len(hints) < 2:
+            return
+        if self.rank == 0:
+            probes = [[{"role": "user", "content": q.prompt}] for q in load_rehearsal(self.cfg.rehearsal_prompts)[:4]]
+            eos, in_system = eos_token_ids(model), self.cfg.rewrite_hint == "system"
+            plain = [chat_prompt_ids(tok, m) for m in probes]
+            strength = {}
+            for h in hints:
+                greedy = sample_candidates(model, [teacher_prompt_ids(tok, m, h, in_system=in_system) for m in probes],
+                                           plain, 0, HINT_PROBE_TOKENS, 1.0, eos, self.pad_id, seed=0)
+                strength[h] = hint_strength([c[0] for c in greedy])
+            best = max(hints, key=lambda h: strength[h])
+            self._log("clawflow.train: hint strengths " + json.dumps({h[:40]: round(v, 3) for h, v in strength.items()})
+                      + f"; every rewrite reads {best!r}")
+        best = D.broadcast_from_rank0(best if self.rank == 0 else None)
+        in_system = self.cfg.rewrite_hint == "system"
+        for it in items:
+            if it.messages is not None:
+                it.hint = best
+                it.teacher_prompt = teacher_prompt_ids(tok, it.messages, best, it.tools, in_system=in_system)
 
     def best_of_n(self, model, items: list[Item], tok) -> list[list[int]]:
         """Per item, the usable candidate chosen by `train.rewrite_select` (train/rewrite.py), else the

@@ -160,6 +160,14 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
     return [cands[i * rows : (i + 1) * rows] for i in range(k)]
 
 
+def hint_strength(candidates: list[Candidate]) -> float:
+    """How much a hint shaped its greedy replies: the mean per-token log-ratio hinted / plain of the
+    greedy candidates (the first of each `sample_candidates` group). About 0 for a hint the policy
+    ignores; large for one it follows. Pure."""
+    ratios = [(c.hinted - c.plain) / max(1, len(c.tokens)) for c in candidates]
+    return sum(ratios) / len(ratios) if ratios else 0.0
+
+
 def choose(candidates: list[Candidate], usable: list[bool], select: str) -> int | None:
     """The index of the rewrite to learn among the usable candidates, or None when none is usable.
 
