@@ -62,8 +62,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from clawflow.base_model import base_model_dir
     from clawflow.config import REPO_ROOT, load_config
-    from clawflow.models import base_model_dir
 
     path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

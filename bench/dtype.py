@@ -78,8 +78,8 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
+    from clawflow.base_model import base_model_dir
     from clawflow.config import REPO_ROOT, TrainConfig, load_config
-    from clawflow.models import base_model_dir
     from clawflow.serving.dtype_probe import choose
     from clawflow.serving.engine import SamplingParams, TorchEngine
 

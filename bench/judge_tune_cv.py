@@ -31,14 +31,14 @@ from transformers.masking_utils import create_causal_mask
 sys.path.insert(0, str(Path(__file__).parent))
 from judge_cv import BATCHES  # noqa: E402 - same batches
 
+from clawflow.base_model import model_dir  # noqa: E402
 from clawflow.config import JudgeConfig, default_home  # noqa: E402
 from clawflow.judge.dataset import load_labelled  # noqa: E402
 from clawflow.judge.embedded import L2, L2_READER, ROLES, STACK_FOLDS, _paths, _read_exemplars, item_role, items_features, shared_encoder, state_text  # noqa: E402
 from clawflow.judge.features import CLASSES  # noqa: E402
 from clawflow.judge.head import fit  # noqa: E402
-from clawflow.judge.stack import fit_stacked, stacked_probs, with_probs  # noqa: E402
 from clawflow.judge.reader import Reader  # noqa: E402
-from clawflow.models import model_dir  # noqa: E402
+from clawflow.judge.stack import fit_stacked, stacked_probs, with_probs  # noqa: E402
 
 BASELINE = {False: "frozen probe", True: "shipped stack"}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -152,9 +152,9 @@ def judge_head(cache: Path) -> Path:
 
 
 def link_base_model(cfg: Config, cache_home: Path) -> str:
-    """Materialize the base model once under `cache_home` (clawflow.models) and link it into the
+    """Materialize the base model once under `cache_home` (clawflow.base_model) and link it into the
     bench home, so every run starts from the same weights without re-converting them."""
-    from clawflow.models import base_model_dir
+    from clawflow.base_model import base_model_dir
 
     if not (cfg.model.gguf or cfg.model.tiny):
         return base_model_dir(cfg)
@@ -169,7 +169,7 @@ def link_base_model(cfg: Config, cache_home: Path) -> str:
 @contextlib.contextmanager
 def gateway(cfg: Config):
     """`clawflow serve` as a child process; SIGTERM on exit (it seals what it recorded)."""
-    from clawflow.stack import wait_http
+    from clawflow.local_stack import wait_http
 
     log = open(cfg.home / "gateway.log", "ab")
     env = {**os.environ, "CLAWFLOW_HOME": str(cfg.home)}
@@ -213,13 +213,13 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
         questions: int | None, seed: int = 0, say=print) -> tuple[str, list[dict]]:
     """The round loop for one persona on a written config (gateway started here; a Prefect API must
     be reachable). Returns the MLflow run id of the curve and one row per measured version."""
-    from clawflow import registry
+    from clawflow.policy import registry
     from clawflow.envs import build_envs
     from clawflow.envs.collect import collect_round
     from clawflow.envs.evaluation import load_held_out
     from clawflow.envs.personas import load_personas
     from clawflow.helpfulness import load_questions
-    from clawflow.models import base_model_dir
+    from clawflow.base_model import base_model_dir
     from flows.train_on_new_feedback import train_on_new_feedback
 
     [persona], _ = load_personas(cfg.envs.personas_file, cfg.envs.personas)
@@ -273,7 +273,7 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
 
 
 def _mlflow_run(cfg: Config, episodes: int, rounds: int) -> str:
-    from clawflow import registry
+    from clawflow.policy import registry
 
     exp = cfg.registry.experiment
     bench_cfg = cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"experiment": "learning-bench"})})
@@ -289,7 +289,7 @@ METRICS = ("hit_rate", "facts", "duplicates", "loops", "offtopic", "mean_words",
 
 
 def _log_row(cfg: Config, run_id: str, row: dict) -> None:
-    from clawflow.registry import _client
+    from clawflow.policy.registry import _client
 
     client = _client(cfg)
     for key in METRICS:

@@ -28,11 +28,11 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from clawflow.base_model import base_model_dir
 from clawflow.config import REPO_ROOT, load_config
 from clawflow.feedback import SAMPLE_SCHEMA
-from clawflow.models import base_model_dir
+from clawflow.policy.logprobs import response_logprobs
 from clawflow.train.launch import run_training
-from clawflow.train.scoring import response_logprobs
 from clawflow.train.teacher import hinted_messages
 
 RL_TURNS = ["Write a haiku about the sea.", "What is 12 times 12?", "Name a famous painter.", "Describe a sunset."]

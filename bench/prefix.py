@@ -57,8 +57,8 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
+    from clawflow.base_model import base_model_dir
     from clawflow.config import REPO_ROOT, ServingConfig, load_config
-    from clawflow.models import base_model_dir
     from clawflow.serving.engine import TorchEngine
 
     path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))

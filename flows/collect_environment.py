@@ -20,7 +20,7 @@ from clawflow.envs import build_envs
 from clawflow.envs.base import pace_s
 from clawflow.envs.collect import Totals
 from tasks.environment import gateway_up, run_episodes
-from tasks.policy import guard_restart
+from tasks.restarts import guard_restart
 
 
 @flow(name="collect-environment", log_prints=True)

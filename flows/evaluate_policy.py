@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from clawflow import registry
 from clawflow.config import load_config
+from clawflow.policy import registry
 from tasks.policy import evaluate_version
 
 

@@ -11,7 +11,8 @@ from prefect import flow
 
 from clawflow.config import load_config
 from clawflow.serving.server import serve
-from tasks.policy import guard_restart, provision_policy
+from tasks.policy import provision_policy
+from tasks.restarts import guard_restart
 
 
 @flow(name="serve-policy")

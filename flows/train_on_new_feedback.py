@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from clawflow.config import load_config
 from clawflow.feedback import training_samples
-from clawflow.holdout import split_holdout
+from clawflow.policy.holdout import split_holdout
 from tasks.policy import gate_candidate, held_out_probes
 from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, maintain_store, promote,
                             register, release_unjudged, reload_gateway, start_run, train_policy)

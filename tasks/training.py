@@ -11,7 +11,8 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from clawflow import events, ops, registry
+from clawflow import events
+from clawflow.base_model import base_model_dir
 from clawflow.config import Config
 from clawflow.contracts.sample import write_samples
 from clawflow.feedback import judge_pairs, keep_samples, training_samples
@@ -19,8 +20,8 @@ from clawflow.home import Home
 from clawflow.judge import make_judge
 from clawflow.judge.stats import combine_reward, judge_stats
 from clawflow.judge.store import JudgmentStore
-from clawflow.lineage import lineage_tags, shards_of
-from clawflow.models import base_model_dir
+from clawflow.policy import registry, reload
+from clawflow.policy.lineage import lineage_tags, shards_of
 from clawflow.store.catalog import Catalog
 from clawflow.store.storage import Storage
 from clawflow.train.launch import EXIT_NO_SAMPLES, TrainingError, run_training
@@ -178,7 +179,7 @@ def maintain_store(cfg: Config) -> dict[str, Any]:
 def reload_gateway(cfg: Config, version: int, checkpoint: str) -> bool:
     """Tell the gateway to serve `version`. A gateway that is down is not an error: it starts on
     the champion next time."""
-    if ops.reload_gateway(cfg, version, checkpoint) is None:
+    if reload.reload_gateway(cfg, version, checkpoint) is None:
         get_run_logger().warning("gateway at %s is not running; it will load v%d when it starts",
                                  cfg.gateway_url, version)
         return False

@@ -34,7 +34,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """configs/test.yaml's model (random weights, SmolLM2 tokenizer), materialized once."""
-    from clawflow.models import base_model_dir
+    from clawflow.base_model import base_model_dir
 
     os.environ["CLAWFLOW_HOME"] = str(tmp_path_factory.mktemp("model-home"))
     try:
@@ -165,7 +165,7 @@ def prefect_server(tmp_path_factory):
            "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1"}  # queued runs retry the slot quickly
     argv = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with process_group(argv, env, home / "server.log") as proc:
-        from clawflow.stack import wait_http
+        from clawflow.local_stack import wait_http
 
         wait_http(f"{api}/health", 180, "Prefect server",
                   failed=lambda: proc.poll() is not None and (home / "server.log").read_text()[-2000:])

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from clawflow.stack import wait_http
+from clawflow.local_stack import wait_http
 from conftest import admin, free_port, process_group, running_gateway, use_prefect_api
 from flows.train_on_new_feedback import train_on_new_feedback
 

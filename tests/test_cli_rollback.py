@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from clawflow import registry
+from clawflow.policy import registry
 
 
 def test_rollback_from_a_plain_shell_reaches_the_stacks_prefect(prefect_server, make_config, tiny_model_dir, tmp_path):

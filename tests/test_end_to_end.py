@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import yaml
 from openai import OpenAI
 
-from clawflow import registry
+from clawflow.policy import registry
 from conftest import admin, policy_version, running_gateway
 from flows.rollback_policy import rollback_policy
 from flows.train_on_new_feedback import train_on_new_feedback

@@ -24,6 +24,7 @@ from clawflow.store.catalog import Catalog
 from clawflow.store.record import TurnRecord
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
+from _store_helpers import pending_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +73,7 @@ def test_terminal_outcome_reaches_pair_and_combined_reward(tmp_path):
     write_env_rewards(home, [_reward_row(env, session, 1, replies[1], outcome)])
     cat = seal(home, records)
 
-    [pair] = cat.pending_pairs(10)  # turn 0 (the tool call), paired with the tool result
+    [pair] = pending_pairs(cat, 10)  # turn 0 (the tool call), paired with the tool result
     assert pair["turn_index"] == 0 and pair["next_role"] == "tool" and "[exit code 0]" in pair["next_state"]
     assert pair["env_reward"] == 1.0  # the episode's outcome, joined from env_rewards/*.parquet
     [closed] = cat.closed_without_next_state(idle_s=3600)
@@ -102,7 +103,7 @@ def test_group_members_get_their_own_reward_and_stay_in_the_batch(tmp_path):
     write_env_rewards(home, rows[2:])  # several files are read together
     cat = seal(home, records)
 
-    pairs = cat.pending_pairs(10)
+    pairs = pending_pairs(cat, 10)
     assert sorted((p["response_text"], p["env_reward"]) for p in pairs) == sorted(
         [(texts[0], 1.0), (texts[1], 0.0), (texts[2], 1.0)])
     judgments = judge_pairs(RuleJudge(), pairs)  # "Perfect, thanks" → +1 for every member

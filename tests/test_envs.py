@@ -14,14 +14,15 @@ import pytest
 
 from clawflow.config import EnvConfig
 from clawflow.envs import build_envs
+from clawflow.envs.base import pace_s
 from clawflow.envs.collect import Totals, collect_round, gateway_healthy
 from clawflow.envs.personas import PersonaEnv, check, feedback, load_personas
 from clawflow.envs.rewards import read_env_rewards
 from clawflow.envs.sandbox import Sandbox, refusal
 from clawflow.envs.terminal import TerminalEnv, load_tasks, tool_result
-from clawflow.envs.base import pace_s
 from clawflow.store.catalog import Catalog
 from tests.conftest import admin, running_gateway
+from _store_helpers import pending_pairs
 
 PERSONAS, WORDING = load_personas()
 BY_NAME = {p.name: p for p in PERSONAS}
@@ -184,7 +185,7 @@ def test_episodes_through_gateway_become_pairs_with_next_states(make_config):
     assert [r.error for r in results] == [None] * 4
     persona = [r for r in results if r.env == "persona"]
     assert [(r.turns, r.next_states) for r in persona] == [(3, 2), (3, 2)]
-    pairs = Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards").pending_pairs(100)
+    pairs = pending_pairs(Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards"), 100)
     by_session = {}
     for p in pairs:
         by_session.setdefault(p["session_id"], []).append(p)

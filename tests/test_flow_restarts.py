@@ -9,7 +9,7 @@ from prefect import flow
 from prefect.states import Completed, Failed
 
 from clawflow.restarts import restart_decision
-from tasks.policy import restart_guard
+from tasks.restarts import restart_guard
 
 NOW = datetime(2026, 5, 1, 12, tzinfo=UTC)
 

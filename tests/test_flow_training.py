@@ -14,10 +14,12 @@ import pyarrow.parquet as pq
 from test_gate_judged import feedback_turns, seal_turns
 from typer.testing import CliRunner
 
-from clawflow import ops, registry, runwatch
+from clawflow import cli_watch
 from clawflow.cli import app
-from clawflow.holdout import in_holdout
+from clawflow.policy import registry, reload
+from clawflow.policy.holdout import in_holdout
 from conftest import drain_prefect_events
+from _store_helpers import pending_pairs
 
 
 def api_url() -> str:
@@ -31,7 +33,7 @@ def test_training_run_holds_out_turns_records_lineage_and_progress(make_config, 
 
     drain_prefect_events()
     cfg = make_config(gate={"holdout_fraction": 0.5})
-    assert ops.provision(cfg) == (1, cfg.model.path)  # the base: v1, champion
+    assert reload.provision(cfg) == (1, cfg.model.path)  # the base: v1, champion
     sessions = feedback_turns(8)
     seal_turns(cfg.home, sessions)
     held = {f.turn_id for f, _, _ in sessions if in_holdout(f.turn_id, 0.5)}
@@ -56,13 +58,13 @@ def test_training_run_holds_out_turns_records_lineage_and_progress(make_config, 
 
     run_id = str(state.state_details.flow_run_id)
     seen = []
-    final = runwatch.follow(api_url(), run_id, seen.append, poll_s=0.1, timeout_s=30)
+    final = cli_watch.follow(api_url(), run_id, seen.append, poll_s=0.1, timeout_s=30)
     assert final.done and final.state_type == "COMPLETED" and final.percent == 100 and final.phase == "done: v2"
     names = [n for n, _ in final.tasks]
     for task in ("collect-batch-", "held-out-probes-", "gate-v2", "promote-champion-"):  # names get a short suffix
         assert any(n.startswith(task) for n in names), (task, names)
 
-    assert ops.rollback(cfg, 1)["to_version"] == 1 and registry.champion(cfg) == (1, cfg.model.path)  # back to base
+    assert reload.rollback(cfg, 1)["to_version"] == 1 and registry.champion(cfg) == (1, cfg.model.path)  # back to base
 
 
 def test_cli_train_schedules_and_follows_a_run(make_config, prefect_api):
@@ -110,7 +112,7 @@ def test_nothing_trainable_for_the_objective_ends_not_trained(make_config, prefe
 
     drain_prefect_events()
     cfg = make_config(train={"objective": "opd"})
-    ops.provision(cfg)
+    reload.provision(cfg)
     seal_turns(cfg.home, [s for s in feedback_turns(8) if s[2] > 0])
 
     state = train_on_new_feedback(config_path=str(cfg.source_file), reload=False, return_state=True)
@@ -119,4 +121,4 @@ def test_nothing_trainable_for_the_objective_ends_not_trained(make_config, prefe
     assert result["trained"] is False and "no trainable samples" in result["reason"], result
     assert result["samples"] == 4
     assert [v["version"] for v in registry.list_versions(cfg)] == [1] and registry.champion(cfg)[0] == 1
-    assert Catalog.for_config(cfg).pending_pairs(100) == []  # consumed: not judged and retried forever
+    assert pending_pairs(Catalog.for_config(cfg), 100) == []  # consumed: not judged and retried forever

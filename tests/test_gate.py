@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clawflow.config import GateConfig, HelpfulnessGateConfig
-from clawflow.gate import evaluate, nonfinite_tensors
+from clawflow.policy.gate import evaluate, nonfinite_tensors
 
 
 def variant(src: str, dst, fn) -> str:

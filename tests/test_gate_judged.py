@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clawflow.config import GateConfig, HelpfulnessGateConfig
-from clawflow.gate import evaluate, judged_margins, judged_verdict
-from clawflow.holdout import held_out_turns, in_holdout, split_holdout
 from clawflow.judge.store import JudgmentStore
+from clawflow.policy.gate import evaluate, judged_margins, judged_verdict
+from clawflow.policy.holdout import held_out_turns, in_holdout, split_holdout
 from clawflow.store.catalog import Catalog
 from clawflow.store.record import TurnRecord
 from clawflow.store.sealer import Sealer

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow import helpfulness as H
 from clawflow.config import REPO_ROOT, GateConfig, HelpfulnessGateConfig
-from clawflow.gate import evaluate
+from clawflow.policy.gate import evaluate
 
 QA = [("What is the capital of France?", "Paris"), ("What is the capital of Japan?", "Tokyo"),
       ("Which planet is red?", "Mars"), ("Who wrote Hamlet?", "Shakespeare"),

@@ -14,6 +14,7 @@ from clawflow.feedback import judge_pairs, training_samples
 from clawflow.judge import make_judge
 from clawflow.judge.store import COLUMNS, JudgmentStore
 from clawflow.store.catalog import Catalog
+from _store_helpers import pending_pairs
 
 
 def chat(cfg, messages: list[dict]) -> str:
@@ -45,13 +46,13 @@ def test_judge_down_leaves_turns_unjudged_then_judges_them_once(make_config):
     store = JudgmentStore(cfg.home)
     with running_gateway(cfg):
         converse(cfg)
-        pairs = Catalog.for_config(cfg).pending_pairs(10)
+        pairs = pending_pairs(Catalog.for_config(cfg), 10)
         assert [p["turn_index"] for p in pairs] == [0, 1]
 
         assert judge_pairs(make_judge(cfg), pairs, store=store) == []  # endpoint down: no judgment at all
         assert store.files() == [] and training_samples(pairs, []) == []
         chat(cfg, [{"role": "user", "content": "still serving?"}])  # serving is unaffected
-        assert len(Catalog.for_config(cfg).pending_pairs(10)) == 2  # still pending, nothing consumed
+        assert len(pending_pairs(Catalog.for_config(cfg), 10)) == 2  # still pending, nothing consumed
 
         app = judge_app()
         with serving(app, port):  # the endpoint comes back: the next run judges the same turns
@@ -77,7 +78,7 @@ def test_judge_down_leaves_turns_unjudged_then_judges_them_once(make_config):
 
 @pytest.mark.slow
 def test_flow_consumes_only_judged_turns_and_logs_judge_stats(make_config, prefect_api):
-    from clawflow import registry
+    from clawflow.policy import registry
     from flows.train_on_new_feedback import train_on_new_feedback
 
     port = free_port()

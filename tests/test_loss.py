@@ -11,7 +11,7 @@ from clawflow.config import TrainConfig
 from clawflow.train.advantages import (binary_rl_advantages, combined_advantages, group_normalized_rewards,
                                        opd_advantages, staleness_weights)
 from clawflow.train.batch import Sample, collate, load_samples
-from clawflow.train.loss import k3_kl, ppo_clip_loss, ppo_clip_per_token, seq_mean, sequence_logprobs, token_mean
+from clawflow.train.loss import AGGREGATIONS, k3_kl, ppo_clip_per_token, seq_mean, sequence_logprobs, token_mean
 from clawflow.train.objective import Objective
 from clawflow.train.plan import Item, plan_steps, rank_micro_batches
 from clawflow.train.teacher import hinted_messages
@@ -22,6 +22,21 @@ LOG = math.log
 def _lp(values):
     """Logprobs whose ratio against old = 0 are exactly `values`; a leaf that takes gradients."""
     return torch.tensor([[LOG(v) for v in values]], requires_grad=True)
+
+
+def _clip_loss(logprobs, old, rewards, mask, rollout=None, tis_cap=None, dual_clip=None, aggregation="seq_mean"):
+    """The RL objective as the trainer runs it (`Objective`: PPO clip, TIS when `tis_cap`, the
+    aggregation) on one batch with per-sequence `rewards` [B]: (numerator / denominator, metrics)."""
+    obj = Objective(rl_weight=1.0, opd_weight=0.0, eps_low=0.2, eps_high=0.28, dual_clip=dual_clip, tis_cap=tis_cap,
+                    kl_beta=0.0, opd_clip=None, aggregate=AGGREGATIONS[aggregation])
+    n = mask.shape[0]
+    b = {"mask": mask, "old": old, "rollout": old if rollout is None else rollout, "teacher": old, "ref": old,
+         "rl_adv": rewards, "has_hint": torch.zeros(n), "weight": torch.ones(n)}
+    num, stats = obj(logprobs, b)
+    den = obj.denominator(b)
+    metrics = Objective.metrics(stats, den)
+    metrics.update(n_tokens=stats["n_tok"], n_seqs=float((obj.token_mask(b).sum(-1) > 0).sum()))
+    return (num / den if den else num), metrics
 
 
 # -- advantages ---------------------------------------------------------------------------------------
@@ -76,7 +91,7 @@ def test_positive_advantage_clips_high_ratio_at_1_plus_eps_high():
     #   unclipped ratio*A = 0.5, 1.0, 1.5;  clip(ratio, 0.8, 1.28)*A = 0.8, 1.0, 1.28
     #   min = 0.5, 1.0, 1.28  ->  loss tokens -0.5, -1.0, -1.28, token mean -2.78/3
     lp = _lp([0.5, 1.0, 1.5])
-    loss, m = ppo_clip_loss(lp, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3))
+    loss, m = _clip_loss(lp, torch.zeros(1, 3), torch.ones(1), torch.ones(1, 3))
     assert loss.item() == pytest.approx(-2.78 / 3, abs=1e-6)
     loss.backward()
     # d(-ratio*A)/d logprob = -ratio*A, over 3 tokens; the clipped 1.5 token gets nothing
@@ -88,7 +103,7 @@ def test_negative_advantage_clips_low_ratio_at_1_minus_eps_low():
     # A = -1: unclipped = -0.5, -1.0, -1.5;  clipped = -0.8, -1.0, -1.28
     #   min = -0.8, -1.0, -1.5  ->  loss tokens 0.8, 1.0, 1.5, mean 3.3/3 = 1.1
     lp = _lp([0.5, 1.0, 1.5])
-    loss, m = ppo_clip_loss(lp, torch.zeros(1, 3), -torch.ones(1, 3), torch.ones(1, 3))
+    loss, m = _clip_loss(lp, torch.zeros(1, 3), -torch.ones(1), torch.ones(1, 3))
     assert loss.item() == pytest.approx(1.1, abs=1e-6)
     loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([0.0, 1.0 / 3, 1.5 / 3], abs=1e-6)
@@ -109,9 +124,8 @@ def test_dual_clip_caps_the_loss_of_a_negative_advantage_token():
 def test_masked_tokens_contribute_nothing():
     # the masked middle token has an absurd logprob and advantage: loss and gradients ignore it
     lp = torch.tensor([[0.0, 50.0, LOG(1.5)]], requires_grad=True)
-    adv = torch.tensor([[1.0, -1e6, 1.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0]])
-    loss, m = ppo_clip_loss(lp, torch.zeros(1, 3), adv, mask)
+    loss, m = _clip_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask)
     assert loss.item() == pytest.approx((-1.0 - 1.28) / 2, abs=1e-6)
     loss.backward()
     assert lp.grad[0, 1].item() == 0.0 and m["n_tokens"] == 2
@@ -124,18 +138,18 @@ def test_token_mean_per_sequence_vs_per_batch():
     # token_mean = (-2.78 + 1.0) / 4  = -0.445
     lp = torch.tensor([[LOG(0.5), 0.0, LOG(1.5)], [0.0, 5.0, 5.0], [0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0], [0, 0, 0]])
-    adv = binary_rl_advantages(torch.tensor([1.0, -1.0, 1.0]), mask)
-    loss, m = ppo_clip_loss(lp, torch.zeros(3, 3), adv, mask)
+    rewards = torch.tensor([1.0, -1.0, 1.0])
+    loss, m = _clip_loss(lp, torch.zeros(3, 3), rewards, mask)
     assert loss.item() == pytest.approx((-2.78 / 3 + 1.0) / 2, abs=1e-6)
     assert m["n_tokens"] == 4 and m["n_seqs"] == 2
-    loss, _ = ppo_clip_loss(lp, torch.zeros(3, 3), adv, mask, aggregate=token_mean)
+    loss, _ = _clip_loss(lp, torch.zeros(3, 3), rewards, mask, aggregation="token_mean")
     assert loss.item() == pytest.approx(-1.78 / 4, abs=1e-6)
     assert seq_mean(torch.ones(3, 3), mask)[1] == 2.0 and token_mean(torch.ones(3, 3), mask)[1] == 4.0
 
 
 def test_no_tokens_gives_zero_loss_with_a_graph():
     lp = torch.zeros(2, 3, requires_grad=True)
-    loss, m = ppo_clip_loss(lp, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3))
+    loss, m = _clip_loss(lp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3))
     loss.backward()
     assert loss.item() == 0.0 and lp.grad.abs().sum() == 0 and m["n_tokens"] == 0
 
@@ -145,8 +159,7 @@ def test_tis_weight_is_capped_and_detached():
     #   old - rollout = log 3 -> w = min(3, 2) = 2;  log 0.5 -> w = 0.5;   loss = (-2 - 0.5) / 2 = -1.25
     lp = torch.zeros(1, 2, requires_grad=True)
     rollout = torch.tensor([[-LOG(3.0), -LOG(0.5)]])
-    loss, _ = ppo_clip_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
-                            rollout_logprobs=rollout, tis_cap=2.0)
+    loss, _ = _clip_loss(lp, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), rollout=rollout, tis_cap=2.0)
     assert loss.item() == pytest.approx(-1.25, abs=1e-6)
     loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([-2 / 2, -0.5 / 2], abs=1e-6)
@@ -166,8 +179,7 @@ def test_sign_of_advantage_moves_logprob_that_way(reward, direction):
     targets = torch.tensor([[1, 2, 3, 4]])
     mask = torch.ones(1, 4)
     before = sequence_logprobs(logits, targets).detach()
-    loss, _ = ppo_clip_loss(sequence_logprobs(logits, targets), before,
-                            binary_rl_advantages(torch.tensor([reward]), mask), mask)
+    loss, _ = _clip_loss(sequence_logprobs(logits, targets), before, torch.tensor([reward]), mask)
     loss.backward()
     with torch.no_grad():
         logits -= 0.1 * logits.grad

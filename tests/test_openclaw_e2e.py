@@ -18,12 +18,12 @@ import pytest
 from typer.testing import CliRunner
 
 from _gateway_helpers import sealed_turns
-from clawflow import ops
+from clawflow.base_model import model_dir
 from clawflow.cli import app
 from clawflow.config import REPO_ROOT, JudgeConfig, default_home
 from clawflow.envelopes import normalize_text
 from clawflow.judge.hints import extract_hint
-from clawflow.models import model_dir
+from clawflow.policy import reload
 from clawflow.store.catalog import Catalog
 from conftest import drain_prefect_events, running_gateway
 
@@ -129,7 +129,7 @@ def test_openclaw_conversation_is_recorded_judged_and_trained(openclaw, long_con
 
     # the training run judges turn 0 by the correction (−1, the user's words as the hint) and trains on it
     drain_prefect_events()
-    assert ops.provision(cfg)[0] == 1
+    assert reload.provision(cfg)[0] == 1
     result = train_on_new_feedback(config_path=str(cfg.source_file), reload=False)
     assert result["trained"] and result["samples"] == 1, result
     judged = pq.read_table(cfg.home / "judgments").to_pylist()

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from conftest import free_port, policy_version, running_gateway
 
-from clawflow import ops
 from clawflow.config import REPO_ROOT, ConfigError, load_config
+from clawflow.policy import reload
 
 
 def config(tmp_path, **serving):
@@ -80,11 +80,11 @@ def test_trainer_reload_goes_to_the_public_url(make_config, tiny_model_dir):
         cfg = make_config(serving={"port": bind_port, "public_url": f"http://127.0.0.1:{lb.port}"})
         assert cfg.gateway_url == f"http://127.0.0.1:{lb.port}"
         with running_gateway(cfg):
-            reply = ops.reload_gateway(cfg, 7, tiny_model_dir)  # what the flow's reload task calls
+            reply = reload.reload_gateway(cfg, 7, tiny_model_dir)  # what the flow's reload task calls
             assert reply is not None and lb.connections >= 1
             assert policy_version(cfg) == 7
         lb_down = make_config(serving={"port": bind_port, "public_url": f"http://127.0.0.1:{free_port()}"})
         with running_gateway(lb_down):  # bound and serving, but the public URL is not it: unreachable
-            assert ops.reload_gateway(lb_down, 8, tiny_model_dir) is None
+            assert reload.reload_gateway(lb_down, 8, tiny_model_dir) is None
     finally:
         lb.close()

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import yaml
 
-from clawflow import registry
 from clawflow.config import load_config
+from clawflow.policy import registry
 
 _names = itertools.count()
 
@@ -93,7 +93,7 @@ def test_base_model_is_version_1_champion_once_and_rollback_returns_to_it(cfg, t
 
 
 def test_lineage_tags_fit_mlflow_or_fall_back_to_a_hash():
-    from clawflow.lineage import MAX_TAG_CHARS, lineage_tags
+    from clawflow.policy.lineage import MAX_TAG_CHARS, lineage_tags
 
     tags = lineage_tags(3, ["2026/01/02/a.parquet", "2026/01/03/b.parquet"], 17)
     assert tags["parent_version"] == "3" and tags["turn_count"] == "17" and tags["shard_count"] == "2"

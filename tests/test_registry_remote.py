@@ -17,7 +17,8 @@ from _mlflow_server import mlflow_server as mlflow_server_process
 from conftest import admin, policy_version, running_gateway
 from safetensors.torch import load_file, save_file
 
-from clawflow import artifacts, ops, registry
+from clawflow import artifacts
+from clawflow.policy import registry, reload
 
 _names = itertools.count()
 
@@ -73,7 +74,7 @@ def test_gateway_host_fetches_verifies_and_serves_a_version(hosts, tiny_model_di
     assert artifacts.is_artifact_uri(source) and not Path(source).exists()
     with running_gateway(gateway) as app:
         t0 = time.monotonic()
-        assert ops.reload_gateway(trainer, v, "/trainer/only/path") is not None  # the trainer sends the version
+        assert reload.reload_gateway(trainer, v, "/trainer/only/path") is not None  # the trainer sends the version
         print(f"fetch + verify + reload took {time.monotonic() - t0:.1f} s")
         assert policy_version(gateway) == v
         served = Path(app.state.gateway.engine.model_path)

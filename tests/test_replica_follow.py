@@ -17,7 +17,7 @@ from conftest import admin, free_port, policy_version, running_gateway
 from safetensors.torch import load_file, save_file
 from test_crash import start_gateway
 
-from clawflow import registry
+from clawflow.policy import registry
 
 
 def register(cfg, src: Path, tmp: Path, scale: float) -> int:

@@ -13,6 +13,7 @@ from openai import AsyncOpenAI
 from clawflow.serving.engine import SamplingParams, TorchEngine
 from conftest import admin, running_gateway
 from _gateway_helpers import MODEL, assert_error_json, client_for, close, logprobs_under, metrics, sealed_turns, user
+from _store_helpers import pending_pairs
 
 
 def test_batched_engine_matches_a_forward_pass_per_request(tiny_model_dir):
@@ -197,5 +198,5 @@ def test_stock_client_without_headers_trains_as_one_session(make_config):
     assert len(turns) == 3 and len({t["session_id"] for t in turns}) == 1
     assert [t["turn_index"] for t in turns] == [0, 1, 2]
     cat = Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards")
-    pairs = {p["turn_index"]: p for p in cat.pending_pairs(99) if p["session_id"] == turns[0]["session_id"]}
+    pairs = {p["turn_index"]: p for p in pending_pairs(cat, 99) if p["session_id"] == turns[0]["session_id"]}
     assert "stock turn 1" in pairs[0]["next_state"] and "stock turn 2" in pairs[1]["next_state"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
+from clawflow.base_model import base_model_dir
 from clawflow.config import REPO_ROOT, load_config
-from clawflow.models import base_model_dir
 from conftest import free_port, running_gateway
 
 

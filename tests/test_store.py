@@ -19,6 +19,7 @@ from clawflow.store.catalog import Catalog
 from clawflow.store.record import ARROW_SCHEMA, SCHEMA_VERSION, TurnRecord
 from clawflow.store.sealer import Sealer, open_store, seal_segment
 from clawflow.store.wal import SegmentWriter, closed_segments, read_segment
+from _store_helpers import pending_pairs
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -260,7 +261,7 @@ def catalog(tmp_path) -> Catalog:
 
 
 def test_pending_pairs_join_turn_with_next_state(catalog):
-    pairs = catalog.pending_pairs(limit=10)
+    pairs = pending_pairs(catalog, 10)
     assert [(p["session_id"], p["turn_index"]) for p in pairs] == [("a", 0), ("b", 1), ("a", 1)]
     by_key = {(p["session_id"], p["turn_index"]): p for p in pairs}
     assert json.loads(by_key["a", 0]["next_state"]) == user("thanks, now add 2")
@@ -270,14 +271,14 @@ def test_pending_pairs_join_turn_with_next_state(catalog):
     assert json.loads(by_key["b", 1]["next_state"]) == user("earliest")
     assert set(ARROW_SCHEMA.names) <= set(pairs[0]) and pairs[0]["prompt_token_ids"] == [1, 2, 3]
     assert pairs[0]["created_at"] == T0
-    assert [p["turn_index"] for p in catalog.pending_pairs(limit=1)] == [0]
+    assert [p["turn_index"] for p in pending_pairs(catalog, 1)] == [0]
 
 
 def test_commit_consumed_is_exactly_once(catalog):
-    pairs = catalog.pending_pairs(limit=2)
+    pairs = pending_pairs(catalog, 2)
     ids = [p["turn_id"] for p in pairs]
     assert catalog.commit_consumed(ids, "run-1", 3) == 2
-    left = catalog.pending_pairs(limit=10)
+    left = pending_pairs(catalog, 10)
     assert len(left) == 1 and not set(ids) & {p["turn_id"] for p in left}
     assert catalog.commit_consumed(ids, "run-1", 3) == 0  # a retried run records nothing twice
     stats = catalog.stats()
@@ -288,5 +289,5 @@ def test_commit_consumed_is_exactly_once(catalog):
 
 def test_empty_shards_dir(tmp_path):
     cat = Catalog(tmp_path / "catalog.duckdb", tmp_path / "shards")
-    assert cat.pending_pairs(limit=10) == []
+    assert pending_pairs(cat, 10) == []
     assert cat.stats() == {"shards": 0, "turns": 0, "consumed": 0, "claimed": 0, "pending": 0, "last_run": None}

@@ -14,6 +14,7 @@ from test_store import T0, turn, user
 from clawflow.store.catalog import Catalog
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
+from _store_helpers import pending_pairs
 
 JUDGMENT_SCHEMA = pa.schema([
     ("turn_id", pa.string()), ("session_id", pa.string()), ("judge", pa.string()),
@@ -103,7 +104,7 @@ def test_abandoned_claims_expire(tmp_path, store):
 
 def test_batch_by_token_budget_oldest_first(store):
     _, cat, recs = store
-    everything = cat.pending_pairs(limit=99)
+    everything = pending_pairs(cat, 99)
     assert [p["created_at"] for p in everything] == sorted(p["created_at"] for p in everything)
     assert everything[0]["prompt_tokens"] + everything[0]["response_tokens"] == 5
     assert ids(cat.select_batch("r1", max_turns=99, max_tokens=12)) == ids(everything[:2])
@@ -153,7 +154,7 @@ def test_version_stats_join_judgments(tmp_path):
         (1, 3, 0, None), (2, 2, 0, None)]
     assert no_judge[0]["tokens"] == 15
 
-    pairs = {(p["session_id"], p["turn_index"]): p["turn_id"] for p in cat.pending_pairs(99)}
+    pairs = {(p["session_id"], p["turn_index"]): p["turn_id"] for p in pending_pairs(cat, 99)}
     write_judgments(home / "judgments" / "j1.parquet", [
         {"turn_id": pairs["a", 0], "judge": "rules", "score": -1, "created_at": T0},
         {"turn_id": pairs["a", 0], "judge": "rules", "score": 1, "created_at": T0 + timedelta(hours=1)},  # newer

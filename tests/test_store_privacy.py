@@ -18,6 +18,7 @@ from clawflow.store.catalog import Catalog
 from clawflow.store.privacy import export_sessions, forget_session
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter, read_segment
+from _store_helpers import pending_pairs
 
 EVIL = "../../../escape'; DROP TABLE consumed; --/\u00e9"
 
@@ -40,7 +41,7 @@ def populated(home: Path) -> Catalog:
     training batch and in a closed, unsealed segment."""
     seal(home, conversation("alice", 3) + conversation("bob", 3, 0.5), conversation(EVIL, 2, 2))
     cat = Catalog(home / "catalog.duckdb", home / "shards")
-    pairs = {(p["session_id"], p["turn_index"]): p["turn_id"] for p in cat.pending_pairs(99)}
+    pairs = {(p["session_id"], p["turn_index"]): p["turn_id"] for p in pending_pairs(cat, 99)}
     cat.commit_consumed([pairs["alice", 0], pairs["bob", 0]], "run-1", 1)
     cat.select_batch("flow-2", max_turns=99)  # claims alice 1, bob 1, evil 0
     write_judgments(home / "judgments" / "part-0.parquet", [

@@ -22,6 +22,7 @@ from clawflow.store.catalog import Catalog
 from clawflow.store.record import TurnRecord
 from clawflow.store.sealer import open_store
 from clawflow.store.storage import SHA_KEY, ChecksumMismatch, ObjectExists, Storage
+from _store_helpers import pending_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +90,7 @@ def test_replicas_seal_into_one_bucket_and_the_orchestrator_trains_from_it(tmp_p
     assert {s.shard_id.split("-", 1)[1].rsplit("-", 1)[0] for s in sealed} == {"gw-a", "gw-b"}
 
     cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
-    pairs = cat.pending_pairs(10)
+    pairs = pending_pairs(cat, 10)
     assert sorted(p["session_id"] for p in pairs) == ["gw-a-s", "gw-b-s"]  # turn 0 of each, paired with turn 1
     assert cat.stats()["turns"] == 4 and cat.stats()["shards"] == 2
     assert not (tmp_path / "orchestrator" / "shards").exists()
@@ -103,7 +104,7 @@ def test_replicas_seal_into_one_bucket_and_the_orchestrator_trains_from_it(tmp_p
     write_env_rewards(storage, [{"session_id": "gw-a-s", "turn_index": 0, "response_text": "ok",
                                  "env_reward": 1.0, "source": "test"}])
     assert [r["env_reward"] for r in read_env_rewards(storage)] == [1.0]
-    rewards = {p["session_id"]: p["env_reward"] for p in cat.pending_pairs(10)}
+    rewards = {p["session_id"]: p["env_reward"] for p in pending_pairs(cat, 10)}
     assert rewards == {"gw-a-s": 1.0, "gw-b-s": None}
     for folder in ("shards", "judgments", "env_rewards"):
         assert storage.list(folder), folder
@@ -140,7 +141,7 @@ def test_a_damaged_shard_is_quarantined_not_read(tmp_path, s3_store):
     storage.fs.pipe_file(shard.path, bytes(data), Metadata=storage.fs.metadata(shard.path))
     cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
     assert cat.sync() == {"registered": 0, "quarantined": 1, "removed": 0}
-    assert cat.pending_pairs(10) == [] and not storage.list("shards")
+    assert pending_pairs(cat, 10) == [] and not storage.list("shards")
     (reason,) = storage.list("quarantine", suffix=".reason.json")
     assert b"do not match the checksum" in storage.fs.cat_file(reason.path)
 
@@ -165,7 +166,7 @@ def test_forget_reaches_the_object_store_and_shards_uploaded_later(tmp_path, s3_
     late_writer.append(turn("bob", 2))
 
     cat, storage = orchestrator(orch, cfg), Storage.from_store(orch, cfg)
-    ids = {r["session_id"]: r["turn_id"] for r in cat.pending_pairs(10)}
+    ids = {r["session_id"]: r["turn_id"] for r in pending_pairs(cat, 10)}
     JudgmentStore(orch, storage).append([{"turn_id": t, "session_id": s, "judge": "j", "judge_version": "1",
                                           "score": 1, "votes": [1]} for s, t in ids.items()])
     pq.write_table(pa.Table.from_pylist([{"turn_id": t} for t in ids.values()], schema=SAMPLE_SCHEMA),

@@ -24,6 +24,7 @@ from clawflow.store.record import ARROW_SCHEMA, SCHEMA_VERSION, TurnRecord
 from clawflow.store.sealer import seal_segment
 from clawflow.store.shards import read_shard
 from clawflow.store.wal import SegmentWriter, read_segment
+from _store_helpers import pending_pairs
 
 V1_SHARD = Path(__file__).parent / "data" / "shard_v1.parquet"  # written by the schema-v1 sealer
 
@@ -54,7 +55,7 @@ def test_shard_of_previous_schema_version_is_read(tmp_path):
     assert (rec.turn_id, rec.new_messages) == ("v1-old-a-0", [{"role": "user", "content": "hello"}])
 
     cat = catalog(home)
-    pairs = cat.pending_pairs(limit=99)
+    pairs = pending_pairs(cat, 99)
     assert [(p["session_id"], p["turn_index"]) for p in pairs] == [("old-a", 0), ("old-b", 0), ("new", 0)]
     assert json.loads(pairs[1]["next_state"]) == user("no, shorter please")
     assert pairs[0]["prompt_tokens"] == 3 and pairs[0]["response_tokens"] == 2  # derived for v1
@@ -62,7 +63,7 @@ def test_shard_of_previous_schema_version_is_read(tmp_path):
 
     (merged,) = compact(cat, target_bytes=1 << 30)  # compaction rewrites old shards in the current version
     assert pq.read_schema(merged.path).metadata[b"clawflow.schema_version"] == str(SCHEMA_VERSION).encode()
-    assert ids_of(cat.pending_pairs(limit=99)) == ids_of(pairs)
+    assert ids_of(pending_pairs(cat, 99)) == ids_of(pairs)
 
 
 def ids_of(rows):
@@ -104,7 +105,7 @@ def test_corrupt_shards_are_quarantined_with_a_reason(tmp_path):
     for reason in reasons:
         info = json.loads(reason.read_text())
         assert info["reason"] and info["original"].startswith(str(home / "shards"))
-    assert {p["session_id"] for p in cat.pending_pairs(99)} == {"good"}
+    assert {p["session_id"] for p in pending_pairs(cat, 99)} == {"good"}
     assert cat.stats()["shards"] == 1
 
 
@@ -116,14 +117,14 @@ def test_compaction_merges_small_shards_without_losing_or_duplicating(tmp_path):
     seal(home, *[conversation(f"s{i}", 3, start=i) for i in range(6)])
     cat = catalog(home)
     before = sorted(r["turn_id"] for r in shard_rows(home / "shards"))
-    pairs_before = ids_of(cat.pending_pairs(99))
+    pairs_before = ids_of(pending_pairs(cat, 99))
     assert len(list((home / "shards").rglob("*.parquet"))) == 6
 
     merged = compact(cat, target_bytes=3 * (home / "shards").stat().st_size + 40_000, row_group_rows=5)
     files = sorted((home / "shards").rglob("*.parquet"))
     assert len(merged) >= 1 and len(files) < 6
     assert sorted(r["turn_id"] for r in shard_rows(home / "shards")) == before
-    assert ids_of(cat.pending_pairs(99)) == pairs_before
+    assert ids_of(pending_pairs(cat, 99)) == pairs_before
     big = pq.ParquetFile(merged[0].path)
     assert big.metadata.num_row_groups == -(-merged[0].rows // 5)  # row groups of the configured size
     assert cat.stats()["shards"] == len(files) and cat.stats()["turns"] == 18
@@ -174,7 +175,7 @@ def test_retention_never_deletes_untrained_or_referenced_turns(tmp_path):
     side = [turn("side", i, turn_type="side", at=T0 + timedelta(seconds=i)) for i in range(3)]
     seal(home, old + side)
     cat = catalog(home)
-    pairs = cat.pending_pairs(99)
+    pairs = pending_pairs(cat, 99)
     by_index = {p["turn_index"]: p["turn_id"] for p in pairs}
     cat.commit_consumed([by_index[0], by_index[1]], "run-v1", 1)  # v1: deleted from the registry
     cat.commit_consumed([by_index[2]], "run-v2", 2)  # v2: still registered

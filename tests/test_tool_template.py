@@ -8,7 +8,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from clawflow.models import tool_template
+from clawflow.base_model import tool_template
 from clawflow.serving.toolcalls import parse_tool_calls
 
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"

@@ -216,13 +216,13 @@ class HelpfulnessGateConfig(_Strict):
 
 
 class GateConfig(_Strict):
-    """Eval gate before promotion (clawflow/gate.py)."""
+    """Eval gate before promotion (clawflow/policy/gate.py)."""
 
     enabled: bool = True
     max_kl: float = 0.25  # nats/token, KL(champion ‖ candidate) on the champion's probe replies
     max_nll_increase: float = 0.25  # nats/token on those replies
     max_new_tokens: int = 24
-    # Held-out judged turns (clawflow/holdout.py): this share of turns (by turn-id hash) is judged
+    # Held-out judged turns (clawflow/policy/holdout.py): this share of turns (by turn-id hash) is judged
     # but never trained on; the gate scores the newest `judged_probes` of each sign (+1, −1) and
     # rejects a candidate whose log-likelihood of good replies falls (bad ones rises) by more than
     # `judged_margin` nats/token vs the champion. 0: recent judged turns outside the batch.

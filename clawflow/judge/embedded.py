@@ -54,7 +54,7 @@ def _shared_reader(path: str, layers: int, threads: int | None, int8: bool) -> R
 
 
 def shared_reader(cfg: JudgeConfig, home: Path | None = None) -> Reader:
-    from clawflow.models import model_dir
+    from clawflow.base_model import model_dir
 
     e = cfg.embedded
     return _shared_reader(model_dir(e.reader, home or default_home()), e.reader_layers, e.threads, e.reader_int8)

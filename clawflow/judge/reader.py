@@ -39,13 +39,15 @@ class Reader:
     def __init__(self, model_dir: str | Path, layers: int = 14, max_tokens: int = 64, threads: int | None = 1,
                  int8: bool = False, tool_tokens: int = 48):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
+
+        from clawflow.policy.loader import load_policy
 
         hf_logging.disable_progress_bar()
         self._torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        lm = load_policy(model_dir, torch.float32).eval()
         if layers < 1 or layers > len(lm.model.layers):
             raise ValueError(f"reader layers must be 1..{len(lm.model.layers)}, not {layers}")
         self.model = lm.model  # the decoder alone: no lm_head, no logits

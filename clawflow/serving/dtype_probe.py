@@ -60,9 +60,9 @@ def time_model(model: Any, reps: int = 2) -> tuple[float, float]:
 
 def probe(path: str) -> dict[str, float]:
     """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) for the model at `path`."""
-    from transformers import AutoModelForCausalLM
+    from clawflow.policy.loader import load_policy
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_policy(path, torch.float32).eval()
     fp32 = time_model(model)
     bf16 = time_model(model.to(torch.bfloat16))
     return {"prefill_speedup": fp32[0] / bf16[0], "decode_speedup": fp32[1] / bf16[1]}

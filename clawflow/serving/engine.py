@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from clawflow.policy.loader import adapter_base, is_adapter
 from clawflow.serving.batcher import Batcher
 from clawflow.serving.engine_protocol import EngineStats
 from clawflow.serving.generation import Generation, ReloadError, SamplingParams, TokenCallback
@@ -58,25 +59,21 @@ class TorchEngine:  # an `engine_protocol.Engine`
 
     # -- weights ---------------------------------------------------------------------------
     def _load(self, path: str):
-        from transformers import AutoModelForCausalLM
+        from clawflow.policy.loader import load_policy
 
-        if (Path(path) / "adapter_config.json").is_file():
+        if is_adapter(path):
             return self._load_adapter(path)
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, output_loading_info=True)
-        if info.get("missing_keys"):  # transformers fills them with random weights: never serve that
-            raise ValueError(f"checkpoint lacks weights {sorted(info['missing_keys'])[:3]}")
-        model.eval()
-        return model
+        # strict: transformers fills missing weights with random ones: never serve that
+        return load_policy(path, self.dtype, strict=True).eval()
 
     def _load_adapter(self, path: str):
         """Base weights shared with a cached base model (never modified) + this adapter, unmerged."""
         import copy
         import itertools
-        import json
 
-        from peft import PeftModel
+        from clawflow.policy.loader import load_policy
 
-        base_dir = json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base_dir = str(adapter_base(path))
         if base_dir not in self._bases:
             served = getattr(self, "_policy", None)  # serving the base itself: share its weights
             same = served is not None and Path(served.path).resolve() == Path(base_dir).resolve()
@@ -85,7 +82,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         base = self._bases[base_dir]
         shared = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
         shell = copy.deepcopy(base, shared)  # new modules, the same weight tensors
-        return PeftModel.from_pretrained(shell, path).eval()
+        return load_policy(path, merge=False, base_model=shell).eval()
 
     @property
     def policy_version(self) -> int:
@@ -177,8 +174,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed reply under the serving policy (evaluation, tests)."""
-        ids = torch.tensor([prompt_ids + response_ids])
-        logits = self._policy.model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        return logp.gather(-1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+        from clawflow.policy.logprobs import response_logprobs
+
+        return response_logprobs(self._policy.model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
 

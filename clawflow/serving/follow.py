@@ -44,7 +44,7 @@ class ChampionFollower:
 
     def check(self) -> int | None:
         """One look: the version swapped in, or None when the champion is already served."""
-        from clawflow import registry
+        from clawflow.policy import registry
 
         found = registry.champion(self.cfg)
         if found is None or found[0] == self.engine.policy_version:

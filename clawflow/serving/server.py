@@ -11,15 +11,15 @@ import logging
 import os
 from pathlib import Path
 
+from clawflow.base_model import base_model_dir
 from clawflow.config import Config
 from clawflow.home import Home
-from clawflow.models import base_model_dir
 
 log = logging.getLogger("clawflow.server")
 
 
 def initial_policy(cfg: Config) -> tuple[int, str]:
-    from clawflow import registry
+    from clawflow.policy import registry
 
     uri = cfg.tracking_uri
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
@@ -34,7 +34,7 @@ def initial_policy(cfg: Config) -> tuple[int, str]:
 
 
 def build_app(cfg: Config):
-    from clawflow import registry
+    from clawflow.policy import registry
     from clawflow.serving.app import create_app
     from clawflow.serving.engine import TorchEngine
     from clawflow.serving.gateway import Gateway
@@ -76,8 +76,8 @@ def serving_dtype(cfg: Config, path: str) -> str:
 def _resolve_local(cfg: Config, ref: int | str) -> tuple[int, str]:
     """A registry version as a local directory; a download that fails its checksum is a refused
     reload (the old weights keep serving)."""
-    from clawflow import registry
     from clawflow.artifacts import ChecksumError
+    from clawflow.policy import registry
     from clawflow.serving.generation import ReloadError
 
     try:

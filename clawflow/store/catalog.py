@@ -256,13 +256,6 @@ class Catalog:
         return "(" + " UNION ALL BY NAME ".join(parts) + ")", params
 
     # -- queries (see queries.py) ------------------------------------------------------------
-    def pending_pairs(self, limit: int) -> list[dict[str, Any]]:
-        """Unconsumed, unclaimed main turns with their next state (`next_state`, `next_role`), oldest first."""
-        if limit <= 0:
-            return []
-        with self.connect() as con:
-            return queries.batch(self, con, max_turns=limit)
-
     def select_batch(self, claim_id: str, max_turns: int, max_tokens: int | None = None,
                      current_version: int | None = None, max_staleness: int | None = None) -> list[dict[str, Any]]:
         """The training batch of run `claim_id`: oldest pending pairs first, at most `max_turns`

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import duckdb
 
@@ -29,8 +29,16 @@ from clawflow.contracts.judgment import COL as J
 from clawflow.contracts.judgment import judgment_files
 from clawflow.store.storage import Storage
 
-if TYPE_CHECKING:
-    from clawflow.store.catalog import Catalog
+
+class CatalogView(Protocol):
+    """What these queries need of a `clawflow.store.catalog.Catalog` (structural, so queries.py
+    does not import catalog.py, which imports it)."""
+
+    storage: Storage
+
+    def turns_from(self, con: duckdb.DuckDBPyConnection, only: list[str] | None = None
+                   ) -> tuple[str, dict[str, Any]] | None: ...
+
 
 _PENDING = """
 WITH m AS (SELECT * FROM turn_keys WHERE turn_type = 'main'),
@@ -72,7 +80,7 @@ def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> l
     return [dict(zip(names, row)) for row in rows]
 
 
-def full_rows(cat: Catalog, con: duckdb.DuckDBPyConnection, ids: list[str], paths: set[str]) -> dict[str, dict]:
+def full_rows(cat: CatalogView, con: duckdb.DuckDBPyConnection, ids: list[str], paths: set[str]) -> dict[str, dict]:
     """Complete turn rows by id, read from the shards (relative paths) that hold them."""
     src = cat.turns_from(con, only=sorted(paths))
     if src is None or not ids:
@@ -82,7 +90,7 @@ def full_rows(cat: Catalog, con: duckdb.DuckDBPyConnection, ids: list[str], path
     return {r["turn_id"]: r for r in rows}
 
 
-def batch(cat: Catalog, con: duckdb.DuckDBPyConnection, max_turns: int, max_tokens: int | None = None,
+def batch(cat: CatalogView, con: duckdb.DuckDBPyConnection, max_turns: int, max_tokens: int | None = None,
           current_version: int | None = None, max_staleness: int | None = None,
           only_ids: list[str] | None = None) -> list[dict[str, Any]]:
     """Pending pairs oldest first (or exactly the turns `only_ids`, e.g. a run's claim)."""
@@ -113,7 +121,7 @@ def batch(cat: Catalog, con: duckdb.DuckDBPyConnection, max_turns: int, max_toke
     return attach_env_rewards(cat, con, pairs)
 
 
-def closed_without_next_state(cat: Catalog, con: duckdb.DuckDBPyConnection, idle_s: float,
+def closed_without_next_state(cat: CatalogView, con: duckdb.DuckDBPyConnection, idle_s: float,
                               now: datetime) -> list[dict[str, Any]]:
     sql = _PENDING.format(source="pending") + """
         SELECT p.turn_id, p.path FROM pending AS p
@@ -143,7 +151,7 @@ FROM t LEFT JOIN r AS x ON x.session_id = t.session_id AND x.turn_index = t.turn
 """
 
 
-def attach_env_rewards(cat: Catalog, con: duckdb.DuckDBPyConnection,
+def attach_env_rewards(cat: CatalogView, con: duckdb.DuckDBPyConnection,
                        rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Set each row's `env_reward` from the environments' outcome files (see the module doc),
     unless its turn record already carries one; rows are changed in place and returned."""
@@ -172,7 +180,7 @@ def judgments_from(root: Storage | Path, judge: str | None = None) -> tuple[str,
     return sql, {"judgment_files": files, **({"judge": judge} if judge else {})}
 
 
-def version_stats(cat: Catalog, con: duckdb.DuckDBPyConnection, judge: str | None) -> list[dict[str, Any]]:
+def version_stats(cat: CatalogView, con: duckdb.DuckDBPyConnection, judge: str | None) -> list[dict[str, Any]]:
     judged, params = judgments_from(cat.storage, judge)
     sql = f"""
         SELECT t.policy_version, count(*) AS turns, count(*) FILTER (WHERE t.turn_type = 'main') AS main_turns,
@@ -183,7 +191,7 @@ def version_stats(cat: Catalog, con: duckdb.DuckDBPyConnection, judge: str | Non
     return _rows(con, sql, params)
 
 
-def stats(cat: Catalog, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+def stats(cat: CatalogView, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     consumed = con.execute("SELECT count(*) FROM consumed").fetchall()[0][0]
     claimed = con.execute("SELECT count(*) FROM claims").fetchall()[0][0]
     shards = con.execute("SELECT count(*) FROM shards").fetchall()[0][0]

@@ -12,22 +12,15 @@ for engines that take full weights:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from clawflow.config import LoraSpec
-from clawflow.train.checkpoint import ADAPTER_CONFIG, copy_tokenizer, is_adapter
-
-
-def adapter_base(adapter_dir: Path) -> Path:
-    """The base model directory an adapter was trained on."""
-    base = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter_dir}/{ADAPTER_CONFIG} names no base_model_name_or_path")
-    return Path(base)
+from clawflow.policy import loader
+from clawflow.policy.loader import adapter_base, weights_dir
+from clawflow.train.checkpoint import copy_tokenizer, is_adapter
 
 
 def load_policy(path: Path, dtype: torch.dtype, lora: LoraSpec | None):
@@ -35,37 +28,29 @@ def load_policy(path: Path, dtype: torch.dtype, lora: LoraSpec | None):
 
     Returns (model, base_dir): base_dir holds the full weights and the tokenizer.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
-    base_dir = adapter_base(path) if is_adapter(path) else path
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    base_dir = weights_dir(path)
     if lora is None:
         if is_adapter(path):
             raise ValueError(f"{path} is a LoRA adapter but train.lora is not set")
-        return model, base_dir
-    from peft import LoraConfig, PeftModel, get_peft_model
-
+        return loader.load_policy(path, dtype), base_dir
     if is_adapter(path):  # continue the champion's adapter
-        return PeftModel.from_pretrained(model, path, is_trainable=True), base_dir
+        return loader.load_policy(path, dtype, merge=False, trainable=True), base_dir
+    from peft import LoraConfig, get_peft_model
+
     spec = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    model = get_peft_model(model, spec)
+    model = get_peft_model(loader.load_policy(path, dtype), spec)
     model.peft_config["default"].base_model_name_or_path = str(base_dir)
     return model, base_dir
 
 
 def merge(adapter_dir: Path, out: Path) -> Path:
     """Write base + adapter merged as a full Hugging Face checkpoint directory at `out`."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base_dir = adapter_base(adapter_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    merged = loader.load_policy(adapter_dir, torch.float32, merge=True)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out)
-    copy_tokenizer(base_dir, out)
+    copy_tokenizer(adapter_base(adapter_dir), out)
     return out
 
 

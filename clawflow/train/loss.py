@@ -94,34 +94,6 @@ Aggregation = Callable[[Tensor, Tensor], tuple[Tensor, float]]
 AGGREGATIONS: dict[str, Aggregation] = {"seq_mean": seq_mean, "token_mean": token_mean}
 
 
-def ppo_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    rollout_logprobs: Tensor | None = None,
-    tis_cap: float | None = None,
-    dual_clip: float | None = None,
-    aggregate: Aggregation = seq_mean,
-) -> tuple[Tensor, dict[str, float]]:
-    """The whole clipped objective on one batch: PPO clip, optional TIS, aggregated to a mean.
-
-    Returns the scalar loss (a zero with a graph when no token is trained) and float metrics:
-    clip_fraction, ratio_mean, n_tokens, n_seqs.
-    """
-    pg, ratio, clipped = ppo_clip_per_token(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip)
-    if rollout_logprobs is not None:
-        pg = pg * tis_weights(old_logprobs, rollout_logprobs, mask, tis_cap)
-    num, den = aggregate(pg, mask)
-    loss = num / den if den else (logprobs * 0.0).sum()
-    mf = mask.to(torch.float32)
-    total = max(float(mf.sum()), 1.0)
-    return loss, {"clip_fraction": float(clipped.sum()) / total, "ratio_mean": float((ratio * mf).sum()) / total,
-                  "n_tokens": float(mf.sum()), "n_seqs": float((mf.sum(-1) > 0).sum())}
-
-
 def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 1024) -> Tensor:
     """log softmax(logits)[b, t, targets[b, t]] in float32.  logits: [B, T, V], targets: [B, T].
 

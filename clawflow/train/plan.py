@@ -17,7 +17,6 @@ import torch
 
 from clawflow.config import TrainConfig
 from clawflow.train.batch import Sample, collate, load_samples
-from clawflow.train.checkpoint import is_adapter
 from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.objective import Objective, sample_advantages
 from clawflow.train.rehearsal import load_rehearsal, pair_with_hints
@@ -122,9 +121,9 @@ def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int) -
     if objective.uses_hints and any(s.hint for s in samples):  # the base's chat template
         from transformers import AutoTokenizer
 
-        from clawflow.train.lora import adapter_base
+        from clawflow.policy.loader import weights_dir
 
-        tokenizer = AutoTokenizer.from_pretrained(adapter_base(base) if is_adapter(base) else base)
+        tokenizer = AutoTokenizer.from_pretrained(weights_dir(base))
     items, counts = prepare_items(cfg, objective, samples, tokenizer, parent_version)
     if not items:
         raise InputError(f"no trainable samples in {batch}: {len(samples)} rows, none with a non-zero advantage "

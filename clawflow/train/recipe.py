@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from clawflow.config import ConfigError, TrainConfig, load_config
 from clawflow.helpfulness import Question
+from clawflow.policy.logprobs import response_logprobs
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
 from clawflow.train import optim
@@ -51,8 +52,8 @@ from clawflow.train.plan import InputError, Item, collate_items, load_items, pla
 from clawflow.train.rehearsal import load_rehearsal
 from clawflow.train.rewrite import (addresses, choose, eos_token_ids, generate_rewrites, hint_strength,
                                     sample_candidates)
+from clawflow.train.scoring import cached, dummy_forward, score_items
 from clawflow.train.teacher import chat_prompt_ids, teacher_prompt_ids
-from clawflow.train.scoring import cached, dummy_forward, response_logprobs, score_items
 
 EXIT_INTERRUPTED = 75
 REWRITE_GROUP = 8  # prompts sampled together (each with 1 + train.rewrite_samples rows)

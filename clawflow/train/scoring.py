@@ -2,9 +2,10 @@
 fixes pi_old, the OPD teacher and the KL reference before any weight moves.
 
 Only the last R + 1 positions get logits (`logits_to_keep`, prompts left-padded by `collate`),
-and the log-softmax over the vocabulary runs in chunks (`loss.sequence_logprobs`). Under FSDP
-every rank must run the same number of forward passes, so a rank with less to score runs
-one-token dummy passes.
+and the log-softmax over the vocabulary runs in chunks (`loss.sequence_logprobs`): both inside
+`clawflow.policy.logprobs.response_logprobs`, the scoring function the engine and the gate use
+too. Under FSDP every rank must run the same number of forward passes, so a rank with less to
+score runs one-token dummy passes.
 """
 
 from __future__ import annotations
@@ -13,21 +14,9 @@ from contextlib import nullcontext
 
 import torch
 
+from clawflow.policy.logprobs import response_logprobs
 from clawflow.train import distributed as D
-from clawflow.train.batch import collate
-from clawflow.train.loss import sequence_logprobs
 from clawflow.train.plan import Item
-
-
-def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                      device: torch.device) -> torch.Tensor:
-    """[B, R] float32 log pi(response token | prompt, earlier response tokens)."""
-    b = collate(prompts, responses, pad_id)
-    # no padding: no mask, so attention takes the plain causal kernel (SDPA is_causal), not a masked one
-    mask = None if bool(b["attention_mask"].all()) else b["attention_mask"].to(device)
-    out = model(input_ids=b["input_ids"].to(device), attention_mask=mask,
-                position_ids=b["position_ids"].to(device), logits_to_keep=b["keep"], use_cache=False)
-    return sequence_logprobs(out.logits[:, :-1], b["targets"].to(device))
 
 
 def dummy_forward(model, pad_id: int, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,7 @@ Checks, cheapest first:
    `gate.max_kl`, and the candidate's NLL of those replies may not rise by more than
    `gate.max_nll_increase` nats/token. Training on a few turns should nudge the policy, not
    rewrite how it answers unrelated prompts; a degraded or diverged checkpoint fails here;
-3. held-out judged turns (clawflow/holdout.py picks them: recent, judged, not in the candidate's
+3. held-out judged turns (clawflow/policy/holdout.py picks them: recent, judged, not in the candidate's
    batch): the mean per-token log-likelihood of each recorded reply under both models. On replies
    the judge scored +1 the candidate may not fall below the champion by more than
    `gate.judged_margin` nats/token, on replies scored −1 it may not rise above it by more.
@@ -124,14 +124,14 @@ def reply_loglik(model, turns: list[dict[str, Any]], max_tokens: int, step: Step
     (token ids, no re-tokenization); long prompts keep their last tokens."""
     import torch
 
+    from clawflow.policy.logprobs import response_logprobs
+
     out = []
     with torch.inference_mode():
         for t in turns:
             reply = list(t["response_token_ids"])[:max_tokens]
             prompt = list(t["prompt_token_ids"])[-max(max_tokens - len(reply), 1):]
-            ids = torch.tensor([prompt + reply])
-            lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)  # [len(reply), V]
-            out.append(float(lp.gather(-1, ids[0, len(prompt):, None]).mean()))
+            out.append(float(response_logprobs(model, [prompt], [reply])[0].mean()))
             if step:
                 step()
     return out

@@ -1,4 +1,4 @@
-"""Operations shared by flows and the CLI: tell the gateway to reload, roll back the champion."""
+"""Serve a version: tell the gateway to reload, roll back the champion, provision the base (flows and the CLI)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any
 
 import httpx
 
-from clawflow import events, registry
+from clawflow import events
 from clawflow.config import Config
+from clawflow.policy import registry
 
 
 class GatewayRefused(RuntimeError):
@@ -46,7 +47,7 @@ def rollback(cfg: Config, target: int | str | None = None) -> dict[str, Any]:
 def provision(cfg: Config) -> tuple[int, str]:
     """First start: materialize the base model (a GGUF is converted once, ~40 s) and register it
     as the first version with alias `champion`, so rollback can return to it. Idempotent."""
-    from clawflow.models import base_model_dir
+    from clawflow.base_model import base_model_dir
 
     path = base_model_dir(cfg)
     return registry.ensure_base(cfg, path), path
