@@ -18,7 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from clawflow.train.checkpoint import ADAPTER_CONFIG, is_adapter
+ADAPTER_CONFIG = "adapter_config.json"  # written by the trainer (train/checkpoint.py) next to the adapter weights
+
+
+def is_adapter(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def adapter_base(adapter_dir: str | Path) -> Path:

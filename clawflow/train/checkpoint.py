@@ -21,17 +21,12 @@ from pathlib import Path
 
 import torch
 
+from clawflow.policy.loader import ADAPTER_CONFIG, is_adapter  # noqa: F401 - where the trainer writes adapters
+
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "chat_template*", "vocab.*", "merges.txt",
                    "added_tokens.json")
 META_FILE = "clawflow_meta.json"
 OPTIMIZER_FILE = Path("trainer_state") / "optimizer.pt"
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def is_adapter(path: Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
 def copy_tokenizer(src: Path, dst: Path) -> None:
     for pattern in (*TOKENIZER_FILES, "generation_config.json"):
         for f in Path(src).glob(pattern):

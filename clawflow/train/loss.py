@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from clawflow.policy.logprobs import sequence_logprobs  # noqa: F401 - the loss math reads it from here
+
 
 def ppo_clip_per_token(
     logprobs: Tensor,  # [B, T] log pi(a_t), carries the gradient
@@ -94,23 +96,3 @@ Aggregation = Callable[[Tensor, Tensor], tuple[Tensor, float]]
 AGGREGATIONS: dict[str, Aggregation] = {"seq_mean": seq_mean, "token_mean": token_mean}
 
 
-def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 1024) -> Tensor:
-    """log softmax(logits)[b, t, targets[b, t]] in float32.  logits: [B, T, V], targets: [B, T].
-
-    Computed as logits[target] - logsumexp(logits) over slices of one row and `chunk_tokens`
-    positions, so the float32 [B, T, V] log-softmax never exists at once (only one [chunk, V]
-    temporary); logsumexp's backward reuses the logits instead of saving a log-softmax copy, and
-    slicing a row never copies a strided view such as `logits[:, :-1]`.
-    """
-    B, T, _ = logits.shape
-    rows = []
-    for b in range(B):
-        parts = []
-        for t in range(0, T, chunk_tokens):
-            x = logits[b, t : t + chunk_tokens].float()  # [n, V]
-            picked = x.gather(-1, targets[b, t : t + chunk_tokens, None]).squeeze(-1)  # [n]
-            parts.append(picked - torch.logsumexp(x, dim=-1))
-        rows.append(torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32))
-    if not rows:
-        return logits.new_zeros((0, T), dtype=torch.float32)
-    return torch.stack(rows)  # [B, T]
