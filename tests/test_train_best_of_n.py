@@ -100,12 +100,11 @@ def test_the_run_learns_the_candidate_chosen_by_the_plain_prompt(tiny, tiny_mode
     assert gain["best"] > 1.0 and gain["best"] > gain["other"], gain  # that candidate was learned, not another
 
 
-def test_hint_strength_is_the_mean_per_token_log_ratio_of_the_greedy_replies():
-    ignored = [Candidate([1, 2], hinted=-4.0, plain=-4.0), Candidate([3], hinted=-1.0, plain=-1.2)]
-    followed = [Candidate([1, 2], hinted=-2.0, plain=-8.0)]
-    assert hint_strength(ignored) == pytest.approx(0.1)
-    assert hint_strength(followed) == pytest.approx(3.0)
-    assert hint_strength([]) == 0.0
+def test_hint_strength_is_how_much_less_likely_the_hint_makes_the_plain_answers():
+    # log p(plain answer | plain prompt), then | hinted prompt, per probe question
+    assert hint_strength([-4.0, -6.0], [-4.2, -5.6]) == pytest.approx(-0.1)  # ignored: about 0
+    assert hint_strength([-4.0, -6.0], [-9.0, -13.0]) == pytest.approx(6.0)  # followed: the answers change
+    assert hint_strength([], []) == 0.0
 
 
 @pytest.mark.slow  # one torchrun run: ~20 s
@@ -120,13 +119,22 @@ def test_strongest_hint_rewrites_every_corrected_turn(tiny, tiny_model_dir, tmp_
              "group_id": None, "policy_version": 0} for i, (m, h) in enumerate(turns)]
     batch = tmp_path / "samples.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), batch)
-    # what the run measures, computed here independently: greedy answers to the first rehearsal questions
+    # what the run measures, computed here independently: the plain greedy answers to the first
+    # rehearsal questions, log p under the plain prompt minus under the hinted one
     probes = [[{"role": "user", "content": q.prompt}] for q in load_rehearsal()[:4]]
+    plain = [encode(tok, m) for m in probes]
+    x = torch.tensor([plain[0]])
+    with torch.no_grad():
+        first = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=48,
+                               pad_token_id=0)[0, x.shape[1]:].tolist()
+    first = cut_at_eos(first, eos)
     strength = {}
     for _, h in turns:
-        greedy = sample_candidates(model, [teacher_prompt_ids(tok, m, h, in_system=True) for m in probes],
-                                   [encode(tok, m) for m in probes], 0, 48, 1.0, eos, 0, seed=0)
-        strength[h] = hint_strength([c[0] for c in greedy])
+        hinted = [teacher_prompt_ids(tok, m, h, in_system=True) for m in probes]
+        greedy = sample_candidates(model, plain, hinted, 0, 48, 1.0, eos, 0, seed=0)
+        assert greedy[0][0].tokens == first  # generated under the plain prompt
+        assert greedy[0][0].plain == pytest.approx(summed_logprob(model, hinted[0], first), abs=2e-3)
+        strength[h] = hint_strength([c[0].hinted for c in greedy], [c[0].plain for c in greedy])
     best = max(strength, key=strength.get)
     assert abs(strength[turns[0][1]] - strength[turns[1][1]]) > 1e-3
     rewrites = sample_candidates(model, [teacher_prompt_ids(tok, m, best, in_system=True) for m, _ in turns],

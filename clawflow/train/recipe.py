@@ -149,9 +149,9 @@ class Recipe:
         self.total_steps = len(self.plan) * self.cfg.epochs
 
     def use_strongest_hint(self, model, items: list[Item], tok) -> None:
-        """`train.rewrite_hints: strongest`: measure each distinct hint of the run by how much it changes
-        the policy's greedy answers to a few rehearsal questions (train/rewrite.py `hint_strength`), then
-        rebuild every rewrite's prompt with the strongest one."""
+        """`train.rewrite_hints: strongest`: measure each distinct hint of the run by how unlikely it makes
+        the plain policy's greedy answers to a few rehearsal questions (train/rewrite.py `hint_strength`),
+        then rebuild every rewrite's prompt with the strongest one."""
         hints = sorted({it.hint.strip() for it in items if it.hint.strip()})
         if len(hints) < 2:
             return
@@ -160,10 +160,11 @@ class Recipe:
             eos, in_system = eos_token_ids(model), self.cfg.rewrite_hint == "system"
             plain = [chat_prompt_ids(tok, m) for m in probes]
             strength = {}
-            for h in hints:
-                greedy = sample_candidates(model, [teacher_prompt_ids(tok, m, h, in_system=in_system) for m in probes],
-                                           plain, 0, HINT_PROBE_TOKENS, 1.0, eos, self.pad_id, seed=0)
-                strength[h] = hint_strength([c[0] for c in greedy])
+            for h in hints:  # the plain policy's greedy answers (its logprobs first), scored under the hint
+                greedy = sample_candidates(model, plain, [teacher_prompt_ids(tok, m, h, in_system=in_system)
+                                                          for m in probes], 0, HINT_PROBE_TOKENS, 1.0, eos,
+                                           self.pad_id, seed=0)
+                strength[h] = hint_strength([c[0].hinted for c in greedy], [c[0].plain for c in greedy])
             best = max(hints, key=lambda h: strength[h])
             self._log("clawflow.train: hint strengths " + json.dumps({h[:40]: round(v, 3) for h, v in strength.items()})
                       + f"; every rewrite reads {best!r}")

@@ -160,12 +160,15 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
     return [cands[i * rows : (i + 1) * rows] for i in range(k)]
 
 
-def hint_strength(candidates: list[Candidate]) -> float:
-    """How much a hint shaped its greedy replies: the mean per-token log-ratio hinted / plain of the
-    greedy candidates (the first of each `sample_candidates` group). About 0 for a hint the policy
-    ignores; large for one it follows. Pure."""
-    ratios = [(c.hinted - c.plain) / max(1, len(c.tokens)) for c in candidates]
-    return sum(ratios) / len(ratios) if ratios else 0.0
+def hint_strength(plain: list[float], hinted: list[float]) -> float:
+    """How much a hint would change the policy's answers: for the plain policy's greedy answers to a
+    few questions, the mean over them of log p(answer | plain prompt) - log p(answer | hinted prompt),
+    summed over each answer's tokens (a one-sample estimate of KL(plain || hinted)). About 0 for a
+    hint the policy ignores ("That's way too long."); large for one it follows ("30 words at most":
+    the hinted policy would have stopped long before the plain answer does). Summed, not averaged per
+    token: the change sits in a few tokens (where to stop, how to open). Pure."""
+    gaps = [p - h for p, h in zip(plain, hinted)]
+    return sum(gaps) / len(gaps) if gaps else 0.0
 
 
 def choose(candidates: list[Candidate], usable: list[bool], select: str) -> int | None:
