@@ -157,14 +157,15 @@ class Recipe:
             return
         if self.rank == 0:
             probes = [[{"role": "user", "content": q.prompt}] for q in load_rehearsal(self.cfg.rehearsal_prompts)[:4]]
-            eos, in_system = eos_token_ids(model), self.cfg.rewrite_hint == "system"
+            in_system = self.cfg.rewrite_hint == "system"
             plain = [chat_prompt_ids(tok, m) for m in probes]
-            strength = {}
-            for h in hints:  # the plain policy's greedy answers (its logprobs first), scored under the hint
-                greedy = sample_candidates(model, plain, [teacher_prompt_ids(tok, m, h, in_system=in_system)
-                                                          for m in probes], 0, HINT_PROBE_TOKENS, 1.0, eos,
-                                           self.pad_id, seed=0)
-                strength[h] = hint_strength([c[0].hinted for c in greedy], [c[0].plain for c in greedy])
+            answers = generate_rewrites(model, plain, HINT_PROBE_TOKENS, eos_token_ids(model), self.pad_id)
+            prompts = plain + [teacher_prompt_ids(tok, m, h, in_system=in_system) for h in hints for m in probes]
+            with torch.inference_mode():  # the plain answers under the plain prompt, then under each hint
+                lp = response_logprobs(model.eval(), prompts, answers * (1 + len(hints)), self.pad_id, self.device)
+            n = len(probes)
+            sums = [float(lp[i, : len(answers[i % n])].sum()) for i in range(len(prompts))]
+            strength = {h: hint_strength(sums[:n], sums[n * (k + 1) : n * (k + 2)]) for k, h in enumerate(hints)}
             best = max(hints, key=lambda h: strength[h])
             self._log("clawflow.train: hint strengths " + json.dumps({h[:40]: round(v, 3) for h, v in strength.items()})
                       + f"; every rewrite reads {best!r}")
