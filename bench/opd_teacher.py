@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow.base_model import base_model_dir
 from clawflow.config import REPO_ROOT, load_config
-from clawflow.feedback import SAMPLE_SCHEMA
+from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.policy.logprobs import response_logprobs
 from clawflow.train.launch import run_training
 from clawflow.train.teacher import hinted_messages

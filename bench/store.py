@@ -122,8 +122,8 @@ def bench_assembly(tmp: Path, n_shards: int, n_turns: int, repeat: int) -> list[
 
     duck_s, batch = timed(duck, repeat)
     pandas_s, ref = timed(lambda: pandas_batch(shards, consumed, current, staleness), max(1, repeat // 2))
-    same = [p["turn_id"] for p in batch] == ref.turn_id.tolist()
-    nexts = [p["next_state"] for p in batch] == ref.next_state.tolist()
+    same = [p.turn_id for p in batch] == ref.turn_id.tolist()
+    nexts = [p.next_state for p in batch] == ref.next_state.tolist()
     print(f"batch: {len(batch)} pairs, {sum(p['prompt_tokens'] + p['response_tokens'] for p in batch)} tokens; "
           f"same turns and next states as pandas: {same and nexts}", flush=True)
     return [

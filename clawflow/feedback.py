@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from clawflow.contracts import sample
-from clawflow.contracts.sample import write_samples  # noqa: F401 - the orchestrator's writer, re-exported
+from clawflow.contracts.judgment import Judged, JudgmentRow
+from clawflow.contracts.pair import Pair
+from clawflow.contracts.sample import Sample
 from clawflow.home import Home
 from clawflow.judge import Judge, JudgeInput, Judgment, judge_many
 from clawflow.judge.stats import combine_reward
@@ -25,69 +25,66 @@ from clawflow.store.storage import ObjectExists, Storage
 
 log = logging.getLogger("clawflow.feedback")
 
-SAMPLE_SCHEMA = sample.SCHEMA  # the contract (clawflow/contracts/sample.py), under its old name
 
-
-def judge_input(pair: dict[str, Any]) -> JudgeInput:
-    turn = {"role": "assistant", "content": pair["response_text"]}
-    if pair.get("tool_calls"):
-        turn["tool_calls"] = json.loads(pair["tool_calls"])
+def judge_input(pair: Pair) -> JudgeInput:
+    turn = {"role": "assistant", "content": pair.response_text}
+    if pair.tool_calls:
+        turn["tool_calls"] = json.loads(pair.tool_calls)
     return JudgeInput(
-        context=json.loads(pair["messages"]),
+        context=json.loads(pair.messages),
         turn=turn,
-        next_state=json.loads(pair["next_state"] or "[]"),
-        next_role=pair.get("next_role") or "user",
+        next_state=json.loads(pair.next_state or "[]"),
+        next_role=pair.next_role or "user",
     )
 
 
-def judgment_row(pair: dict[str, Any], j: Judgment) -> dict[str, Any]:
-    """A judgment as the store's row (plus nothing else)."""
-    return {"turn_id": pair["turn_id"], "session_id": pair.get("session_id"), "judge": j.judge,
-            "judge_version": j.judge_version, "prompt_version": j.prompt_version, "score": j.score,
-            "votes": list(j.votes), "rationale": j.rationale, "hint": j.hint}
+def judgment_row(pair: Pair, j: Judgment) -> JudgmentRow:
+    """A judgment as the store's row."""
+    return JudgmentRow(turn_id=pair.turn_id, session_id=pair.session_id, judge=j.judge, judge_version=j.judge_version,
+                       prompt_version=j.prompt_version, score=j.score, votes=list(j.votes), rationale=j.rationale,
+                       hint=j.hint)
 
 
-def judge_pairs(judge: Judge, pairs: list[dict[str, Any]], concurrency: int = 8, store: JudgmentStore | None = None,
-                combine: Callable[[int, float | None], float] = combine_reward) -> list[dict[str, Any]]:
+def judge_pairs(judge: Judge, pairs: Sequence[Pair], concurrency: int = 8,
+                store: JudgmentStore | None = None,
+                combine: Callable[[int, float | None], float] = combine_reward) -> list[Judged]:
     """Judgments for the pairs the judge answered, in pair order; unjudged pairs are left out.
 
-    Each dict has the store's columns plus `reward` (score combined with the turn's `env_reward`)
-    and `reused` (found in the store for this judge version instead of asked again)."""
-    stored = store.lookup([p["turn_id"] for p in pairs], judge.name, judge.version) if store else {}
-    todo = [p for p in pairs if p["turn_id"] not in stored]
+    Each carries the stored row plus `reward` (score combined with the turn's `env_reward`) and
+    `reused` (found in the store for this judge version instead of asked again)."""
+    stored = store.lookup([p.turn_id for p in pairs], judge.name, judge.version) if store else {}
+    todo = [p for p in pairs if p.turn_id not in stored]
     fresh = asyncio.run(judge_many(judge, [judge_input(p) for p in todo], concurrency)) if todo else []
     rows = [judgment_row(p, j) for p, j in zip(todo, fresh) if j is not None]
     if store:
         store.append(rows)
-    by_id = {r["turn_id"]: {**r, "reused": True} for r in stored.values()}
-    by_id.update({r["turn_id"]: {**r, "reused": False} for r in rows})
-    return [{**by_id[p["turn_id"]], "reward": combine(by_id[p["turn_id"]]["score"], p.get("env_reward"))}
-            for p in pairs if p["turn_id"] in by_id]
+    by_id = {t: (r, True) for t, r in stored.items()} | {r.turn_id: (r, False) for r in rows}
+    return [Judged.of(row, combine(row.score, p.env_reward), reused)
+            for p in pairs if p.turn_id in by_id for row, reused in [by_id[p.turn_id]]]
 
 
-def training_samples(pairs: list[dict[str, Any]], judgments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def training_samples(pairs: Sequence[Pair], judgments: Sequence[Judged]) -> list[Sample]:
     """Judged turns with a non-zero reward (binary RL) or a hint (OPD) become samples, and every
     member of a group whose rewards differ (a zero is below or above its siblings: GRPO needs the
     whole group); unjudged turns wait for a later run."""
-    by_id = {j["turn_id"]: j for j in judgments}
+    by_id = {j.turn_id: j for j in judgments}
     group_rewards: dict[str, set[float]] = {}
     for p in pairs:
-        if p.get("group_id") and p["turn_id"] in by_id:
-            j = by_id[p["turn_id"]]
-            group_rewards.setdefault(p["group_id"], set()).add(float(j.get("reward", j["score"])))
+        if p.group_id and p.turn_id in by_id:
+            group_rewards.setdefault(p.group_id, set()).add(float(by_id[p.turn_id].reward))
     out = []
     for p in pairs:
-        j = by_id.get(p["turn_id"])
+        j = by_id.get(p.turn_id)
         if j is None:
             continue
-        reward = float(j.get("reward", j["score"]))
-        varied = len(group_rewards.get(p.get("group_id") or "", ())) > 1
-        if (reward != 0 or j.get("hint") or varied) and len(p["response_token_ids"]) > 0:
-            out.append({"turn_id": p["turn_id"], "prompt_token_ids": list(p["prompt_token_ids"]),
-                        "response_token_ids": list(p["response_token_ids"]),
-                        "response_logprobs": list(p["response_logprobs"]), "reward": reward, "hint": j.get("hint"),
-                        "messages": p.get("messages"), "tools": p.get("tools"), "group_id": p.get("group_id"),
-                        "policy_version": p.get("policy_version")})
+        varied = len(group_rewards.get(p.group_id or "", ())) > 1
+        if (j.reward != 0 or j.hint or varied) and len(p.response_token_ids) > 0:
+            out.append(Sample(turn_id=p.turn_id, prompt_token_ids=list(p.prompt_token_ids),
+                              response_token_ids=list(p.response_token_ids),
+                              response_logprobs=[float(x) for x in p.response_logprobs], reward=float(j.reward),
+                              hint=j.hint, messages=json.loads(p.messages) if p.messages else None,
+                              tools=json.loads(p.tools) if p.tools else None, group_id=p.group_id,
+                              policy_version=int(p.policy_version or 0)))
     return out
 
 

@@ -48,7 +48,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     trainable, held_out = split_holdout(judgments, cfg.gate.holdout_fraction)  # held out: the gate's probes
     samples = training_samples(pairs, trainable)
     parent, base = current_policy(cfg)
-    turn_ids = [j["turn_id"] for j in judgments]  # only judged turns are consumed (held-out ones too)
+    turn_ids = [j.turn_id for j in judgments]  # only judged turns are consumed (held-out ones too)
     if not samples:
         # Judged but neutral: nothing to learn; consume them so they are not judged again.
         _consume(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
@@ -63,8 +63,8 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
         return _report({"trained": False, "reason": metrics["reason"], "turns": len(pairs),
                         "samples": len(samples)}, progress)
     progress(70, "registering the checkpoint")
-    rewards = [s["reward"] for s in samples]
-    trained_ids = [s["turn_id"] for s in samples]
+    rewards = [s.reward for s in samples]
+    trained_ids = [s.turn_id for s in samples]
     version = register(cfg, run_id, checkpoint, parent, len(samples), sum(rewards) / len(rewards), trained_ids)
     progress(75, f"eval gate: v{version} vs v{parent}")
     gate = gate_candidate(cfg, version, str(checkpoint), base, held_out_probes(cfg, trained_ids))

@@ -13,7 +13,7 @@ from clawflow.config import Config
 from clawflow.home import Home
 from clawflow.policy import registry, reload
 from clawflow.policy.gate import GateResult, evaluate
-from clawflow.policy.holdout import held_out_turns
+from clawflow.policy.holdout import ProbeTurn, held_out_turns
 from clawflow.store.catalog import Catalog
 
 
@@ -22,19 +22,19 @@ def helpfulness_cache(cfg: Config):
 
 
 @task(name="held-out-probes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def held_out_probes(cfg: Config, batch_turn_ids: list[str]) -> list[dict[str, Any]]:
+def held_out_probes(cfg: Config, batch_turn_ids: list[str]) -> list[ProbeTurn]:
     """The newest judged turns the candidate did not train on (clawflow/policy/holdout.py)."""
     g = cfg.gate
     turns = held_out_turns(Catalog.for_config(cfg), g.judged_probes, batch_turn_ids, g.holdout_fraction)
     get_run_logger().info("%d held-out judged turns (%d good, %d bad) for the gate", len(turns),
-                          sum(t["score"] > 0 for t in turns), sum(t["score"] < 0 for t in turns))
+                          sum(t.score > 0 for t in turns), sum(t.score < 0 for t in turns))
     return turns
 
 
 @task(name="eval-gate", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       task_run_name="gate-v{version}")
 def gate_candidate(cfg: Config, version: int, candidate: str, champion: str,
-                   judged: list[dict[str, Any]] | None = None) -> GateResult:
+                   judged: list[ProbeTurn] | None = None) -> GateResult:
     """Evaluate the candidate against the champion; tag the version with the verdict."""
     result = evaluate(cfg.gate, candidate, champion, judged, base_model_dir(cfg), helpfulness_cache(cfg))
     tags = {f"eval.{k}": f"{v:.6g}" for k, v in result.metrics.items()}

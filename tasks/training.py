@@ -14,7 +14,9 @@ from prefect.cache_policies import NO_CACHE
 from clawflow import events
 from clawflow.base_model import base_model_dir
 from clawflow.config import Config
-from clawflow.contracts.sample import write_samples
+from clawflow.contracts.judgment import Judged
+from clawflow.contracts.pair import Pair
+from clawflow.contracts.sample import Sample, write_samples
 from clawflow.feedback import judge_pairs, keep_samples, training_samples
 from clawflow.home import Home
 from clawflow.judge import make_judge
@@ -32,7 +34,7 @@ def catalog(cfg: Config) -> Catalog:
 
 
 @task(name="collect-batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def collect_batch(cfg: Config, max_turns: int) -> list[dict[str, Any]]:
+def collect_batch(cfg: Config, max_turns: int) -> list[Pair]:
     """Unconsumed main turns that have a next state, oldest first, claimed for this flow run: a
     retry of the run gets the same batch back, other runs skip it until it is committed."""
     from prefect import runtime
@@ -45,16 +47,16 @@ def collect_batch(cfg: Config, max_turns: int) -> list[dict[str, Any]]:
 
 @task(name="judge-turns", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       task_run_name="judge-{cfg.judge.backend}")
-def judge_turns(cfg: Config, pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def judge_turns(cfg: Config, pairs: list[Pair]) -> list[Judged]:
     """Judgments of the turns the judge answered, stored under $CLAWFLOW_HOME/judgments and reused
     per judge version; turns it could not answer are left out and judged on a later run."""
     jc = cfg.judge
     combine = partial(combine_reward, mode=jc.env_reward, weight=jc.env_reward_weight)
     judgments = judge_pairs(make_judge(cfg), pairs, jc.concurrency, JudgmentStore.for_config(cfg), combine)
-    scores = [j["score"] for j in judgments]
+    scores = [j.score for j in judgments]
     log = get_run_logger()
     log.info("judged %d of %d turns (%d reused): %d good, %d bad, %d neutral", len(scores), len(pairs),
-             sum(j["reused"] for j in judgments), scores.count(1), scores.count(-1), scores.count(0))
+             sum(j.reused for j in judgments), scores.count(1), scores.count(-1), scores.count(0))
     if len(judgments) < len(pairs):
         log.warning("%d turns stay unjudged (judge unavailable); the next run judges them",
                     len(pairs) - len(judgments))
@@ -78,15 +80,15 @@ def current_policy(cfg: Config) -> tuple[int, str]:
 
 
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[dict], judgments: list[dict]) -> str:
-    scores = [j["score"] for j in judgments]
+def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[Pair], judgments: list[Judged]) -> str:
+    scores = [j.score for j in judgments]
     params = {"lr": cfg.train.lr, "epochs": cfg.train.epochs, "micro_batch": cfg.train.micro_batch,
               "eps_low": cfg.train.eps_low, "eps_high": cfg.train.eps_high, "nproc": cfg.train.nproc,
               "objective": cfg.train.objective, "teacher": cfg.train.teacher, "aggregation": cfg.train.aggregation,
               "kl_beta": cfg.train.kl_beta, "tis_cap": cfg.train.tis_cap, "step_tokens": cfg.train.step_tokens,
               "lora": cfg.train.lora.model_dump() if cfg.train.lora else None,
-              "judge": judgments[0]["judge"] if judgments else cfg.judge.backend,
-              "turns": len(pairs), "first_turn_at": pairs[0]["created_at"], "last_turn_at": pairs[-1]["created_at"],
+              "judge": judgments[0].judge if judgments else cfg.judge.backend,
+              "turns": len(pairs), "first_turn_at": pairs[0].created_at, "last_turn_at": pairs[-1].created_at,
               "config": str(cfg.source_file)}
     tags = {"clawflow.parent_version": str(parent), "clawflow.prefect_flow_run": flow_run,
             "clawflow.reward_mean": f"{sum(scores) / max(len(scores), 1):.4f}"}
@@ -97,7 +99,7 @@ def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[dict], judgme
 
 @task(name="train-policy", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       task_run_name="train-{run_id}", timeout_seconds=6 * 3600)
-def train_policy(cfg: Config, run_id: str, base: str, samples: list[dict[str, Any]],
+def train_policy(cfg: Config, run_id: str, base: str, samples: list[Sample],
                  parent: int = 0) -> tuple[Path | None, dict]:
     """torchrun subprocess from the champion `base` (its weights, and its AdamW state when saved);
     the checkpoint appears atomically at $CLAWFLOW_HOME/checkpoints/<run_id>. A retry after an

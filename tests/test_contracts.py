@@ -6,6 +6,7 @@ data-directory name itself."""
 from __future__ import annotations
 
 import ast
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import pytest
 
 from clawflow.contracts import env_reward, judgment, sample
 from clawflow.contracts import (
-    EnvReward, JudgmentRow, Sample, read_env_rewards, read_judgments, read_samples, write_env_rewards,
+    EnvReward, Judged, JudgmentRow, Pair, Sample, read_env_rewards, read_judgments, read_samples, write_env_rewards,
     write_judgments, write_samples,
 )
+from clawflow.feedback import training_samples
 from clawflow.home import Home
+from clawflow.store.record import TurnRecord
 from clawflow.store.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +51,7 @@ def test_sample_round_trip(tmp_path):
     path = write_samples(records, tmp_path / "runs" / "r1" / "samples.parquet")
     assert pq.read_schema(path).remove_metadata() == sample.SCHEMA
     assert read_samples(path) == records
-    # the orchestrator's rows (JSON text, as feedback.training_samples builds them) read back the same
+    # rows already in the file's form (JSON text) read back the same
     rows = [r.to_row() for r in records]
     assert read_samples(write_samples(rows, tmp_path / "rows.parquet")) == records
 
@@ -86,6 +89,21 @@ def test_env_reward_round_trip(tmp_path):
     assert {r.session_id for r in read_env_rewards(storage)} == {"s1", "s2"}
     assert all(r.created_at is not None for r in read_env_rewards(storage))
     assert write_env_rewards(storage, []) is None
+
+
+def test_pair_from_a_shard_row_then_judged_then_a_sample(tmp_path):
+    row = TurnRecord(session_id="s", turn_index=0, policy_version=2, messages=[{"role": "user", "content": "hi"}],
+                     prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.5], response_text="yo",
+                     finish_reason="stop", new_messages=[]).to_row()
+    pair = Pair.from_row({**row, "next_state": '[{"role": "user", "content": "shorter"}]', "next_role": "user"})
+    assert (pair.turn_id, pair.prompt_tokens, pair.policy_version) == (row["turn_id"], 2, 2)
+    assert not hasattr(pair, "finish_reason")  # columns the later stages do not read stay behind
+    j = Judged.of(JudgmentRow(pair.turn_id, "s", "rules", "1", None, -1, [-1]), reward=-1.0, reused=False)
+    write_judgments(Storage(tmp_path), [j])  # a Judged is stored as its row, the flow's extras left out
+    [stored] = read_judgments(Storage(tmp_path))
+    assert type(stored) is JudgmentRow and judgment_dict(stored) | {"created_at": None} == judgment_dict(j)
+    [s] = training_samples([pair], [j])
+    assert (s.turn_id, s.reward, s.messages, s.policy_version) == (pair.turn_id, -1.0, json.loads(row["messages"]), 2)
 
 
 def test_sample_files_lists_each_runs_batch(tmp_path):

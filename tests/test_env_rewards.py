@@ -7,6 +7,7 @@ Parquet shards, and the pairs come from the real catalog query."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from functools import partial
@@ -74,17 +75,17 @@ def test_terminal_outcome_reaches_pair_and_combined_reward(tmp_path):
     cat = seal(home, records)
 
     [pair] = pending_pairs(cat, 10)  # turn 0 (the tool call), paired with the tool result
-    assert pair["turn_index"] == 0 and pair["next_role"] == "tool" and "[exit code 0]" in pair["next_state"]
-    assert pair["env_reward"] == 1.0  # the episode's outcome, joined from env_rewards/*.parquet
+    assert pair.turn_index == 0 and pair.next_role == "tool" and "[exit code 0]" in pair.next_state
+    assert pair.env_reward == 1.0  # the episode's outcome, joined from env_rewards/*.parquet
     [closed] = cat.closed_without_next_state(idle_s=3600)
-    assert closed["turn_index"] == 1 and closed["env_reward"] == 1.0
+    assert closed.turn_index == 1 and closed.env_reward == 1.0
 
     [j] = judge_pairs(RuleJudge(), [pair], combine=partial(combine_reward, mode="add", weight=0.5))
-    assert j["score"] == 1 and j["reward"] == 1.5  # tool succeeded (+1) + 0.5 x outcome
+    assert j.score == 1 and j.reward == 1.5  # tool succeeded (+1) + 0.5 x outcome
     [j] = judge_pairs(RuleJudge(), [pair], combine=partial(combine_reward, mode="replace"))
-    assert j["reward"] == 1.0
+    assert j.reward == 1.0
     [sample] = training_samples([pair], [j])
-    assert sample["reward"] == 1.0
+    assert sample.reward == 1.0
 
 
 def test_group_members_get_their_own_reward_and_stay_in_the_batch(tmp_path):
@@ -104,13 +105,13 @@ def test_group_members_get_their_own_reward_and_stay_in_the_batch(tmp_path):
     cat = seal(home, records)
 
     pairs = pending_pairs(cat, 10)
-    assert sorted((p["response_text"], p["env_reward"]) for p in pairs) == sorted(
+    assert sorted((p.response_text, p.env_reward) for p in pairs) == sorted(
         [(texts[0], 1.0), (texts[1], 0.0), (texts[2], 1.0)])
     judgments = judge_pairs(RuleJudge(), pairs)  # "Perfect, thanks" → +1 for every member
-    by_text = {p["response_text"]: j["reward"] for p, j in zip(pairs, judgments)}
+    by_text = {p.response_text: j.reward for p, j in zip(pairs, judgments)}
     assert by_text == {texts[0]: 2.0, texts[1]: 1.0, texts[2]: 2.0}
     # A member whose combined reward is 0 still trains: it is below its siblings.
     judgments = judge_pairs(RuleJudge(), pairs, combine=lambda s, e: float(e))
     assert len(training_samples(pairs, judgments)) == 3
-    same = [{**j, "reward": 0.0, "hint": None} for j in judgments]  # no signal at all: nothing trains
+    same = [dataclasses.replace(j, reward=0.0, hint=None) for j in judgments]  # no signal at all: nothing trains
     assert training_samples(pairs, same) == []

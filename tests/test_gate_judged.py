@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,23 +85,23 @@ def test_margins_and_verdict_by_hand():
 def test_held_out_turns_are_recent_judged_and_disjoint_from_the_batch(judged_store):
     catalog, sessions = judged_store
     batch = catalog.select_batch("run-1", max_turns=6)  # the 6 oldest pairs
-    trained = [p["turn_id"] for p in batch]
+    trained = [p.turn_id for p in batch]
     assert trained == [f"turn-{k}" for k in range(6)]
 
     held = held_out_turns(catalog, per_sign=2, exclude=trained, fraction=0.0)
-    assert not {t["turn_id"] for t in held} & set(trained)
-    assert [t["turn_id"] for t in held] == ["turn-11", "turn-10", "turn-9", "turn-8"]  # newest, 2 of each sign
-    assert [t["score"] for t in held] == [-1, 1, -1, 1]
-    assert held[0]["response_token_ids"] == [111, 211, 311, 2] and held[0]["prompt_token_ids"] == [1, 51, 61]
+    assert not {t.turn_id for t in held} & set(trained)
+    assert [t.turn_id for t in held] == ["turn-11", "turn-10", "turn-9", "turn-8"]  # newest, 2 of each sign
+    assert [t.score for t in held] == [-1, 1, -1, 1]
+    assert held[0].response_token_ids == [111, 211, 311, 2] and held[0].prompt_token_ids == [1, 51, 61]
 
     # With a holdout slice, probes come only from turns the split keeps out of every batch.
     fraction = 0.5
-    judgments = [{"turn_id": f.turn_id} for f, _, _ in sessions]
+    judgments = [SimpleNamespace(turn_id=f.turn_id) for f, _, _ in sessions]
     train, out = split_holdout(judgments, fraction)
-    assert out and train and {j["turn_id"] for j in out} == {f.turn_id for f, _, _ in sessions
+    assert out and train and {j.turn_id for j in out} == {f.turn_id for f, _, _ in sessions
                                                                if in_holdout(f.turn_id, fraction)}
-    held = held_out_turns(catalog, per_sign=10, exclude=[j["turn_id"] for j in train], fraction=fraction)
-    assert {t["turn_id"] for t in held} == {j["turn_id"] for j in out}  # the SQL slice = the Python slice
+    held = held_out_turns(catalog, per_sign=10, exclude=[j.turn_id for j in train], fraction=fraction)
+    assert {t.turn_id for t in held} == {j.turn_id for j in out}  # the SQL slice = the Python slice
 
 
 def variant(src: str, dst: Path, fn) -> str:
@@ -120,8 +121,8 @@ def unlearn(turns: list[dict], steps: int = 5):
         for _ in range(steps):
             loss = 0.0
             for t in turns:
-                ids = torch.tensor([t["prompt_token_ids"] + t["response_token_ids"]])
-                n = len(t["response_token_ids"])
+                ids = torch.tensor([t.prompt_token_ids + t.response_token_ids])
+                n = len(t.response_token_ids)
                 lp = torch.log_softmax(model(ids).logits[0, -n - 1:-1], -1)
                 loss = loss + lp.gather(-1, ids[0, -n:, None]).mean()
             opt.zero_grad()
@@ -143,7 +144,7 @@ def test_gate_rejects_a_candidate_worse_on_held_out_positives(judged_store, tiny
     assert ok.metrics["judged_pos"] == 4 and ok.metrics["judged_neg"] == 4
     assert abs(ok.metrics["judged_pos_delta"]) < 0.01 and "8 held-out judged turns" in ok.reason
 
-    worse = variant(tiny_model_dir, tmp_path / "worse", unlearn([t for t in held if t["score"] > 0]))
+    worse = variant(tiny_model_dir, tmp_path / "worse", unlearn([t for t in held if t.score > 0]))
     bad = evaluate(gate, worse, tiny_model_dir, held)
     assert not bad.passed and "judged good became less likely" in bad.reason, (bad.reason, bad.metrics)
     assert bad.metrics["judged_pos_delta"] < -0.1

@@ -47,7 +47,7 @@ def test_judge_down_leaves_turns_unjudged_then_judges_them_once(make_config):
     with running_gateway(cfg):
         converse(cfg)
         pairs = pending_pairs(Catalog.for_config(cfg), 10)
-        assert [p["turn_index"] for p in pairs] == [0, 1]
+        assert [p.turn_index for p in pairs] == [0, 1]
 
         assert judge_pairs(make_judge(cfg), pairs, store=store) == []  # endpoint down: no judgment at all
         assert store.files() == [] and training_samples(pairs, []) == []
@@ -57,14 +57,14 @@ def test_judge_down_leaves_turns_unjudged_then_judges_them_once(make_config):
         app = judge_app()
         with serving(app, port):  # the endpoint comes back: the next run judges the same turns
             judgments = judge_pairs(make_judge(cfg), pairs, store=store)
-            assert [(j["turn_id"], j["score"], j["votes"], j["reused"]) for j in judgments] == [
-                (pairs[0]["turn_id"], -1, [-1, -1, -1], False), (pairs[1]["turn_id"], 1, [1, 1, 1], False)]
-            assert judgments[0]["hint"] == "Translate into Spanish, the language the user asked for, not French."
-            assert judgments[1]["hint"] is None and app.state.calls == 2 * (3 + 3)  # hints asked on ±1
+            assert [(j.turn_id, j.score, j.votes, j.reused) for j in judgments] == [
+                (pairs[0].turn_id, -1, [-1, -1, -1], False), (pairs[1].turn_id, 1, [1, 1, 1], False)]
+            assert judgments[0].hint == "Translate into Spanish, the language the user asked for, not French."
+            assert judgments[1].hint is None and app.state.calls == 2 * (3 + 3)  # hints asked on ±1
             calls = app.state.calls
             again = judge_pairs(make_judge(cfg), pairs, store=store)  # same judge version: reused
-            assert [(j["score"], j["hint"], j["reused"]) for j in again] == [
-                (j["score"], j["hint"], True) for j in judgments] and app.state.calls == calls
+            assert [(j.score, j.hint, j.reused) for j in again] == [
+                (j.score, j.hint, True) for j in judgments] and app.state.calls == calls
 
     [path] = store.files()
     table = pq.read_table(path)
@@ -73,7 +73,7 @@ def test_judge_down_leaves_turns_unjudged_then_judges_them_once(make_config):
     assert (row["session_id"], row["judge"], row["prompt_version"]) == ("judge-flow", "llm", "prm_v1+hint_v1")
     assert row["judge_version"] == make_judge(cfg).version and row["created_at"].tzinfo is not None
     samples = training_samples(pairs, judgments)
-    assert [(s["reward"], s["hint"]) for s in samples] == [(-1.0, judgments[0]["hint"]), (1.0, None)]
+    assert [(s.reward, s.hint) for s in samples] == [(-1.0, judgments[0].hint), (1.0, None)]
 
 
 @pytest.mark.slow

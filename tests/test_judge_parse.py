@@ -17,6 +17,7 @@ from clawflow.judge.features import clauses, cue_flags
 from clawflow.judge.hints import extract_hint as hint_from_user
 from clawflow.judge.parse import extract_hint, parse_boxed, rationale, select_hint
 from clawflow.judge.prompts import load_prompt, render
+from clawflow.contracts.judgment import Judged
 from clawflow.judge.stats import combine_reward, judge_stats
 from clawflow.judge.store import COLUMNS, JudgmentStore
 
@@ -217,8 +218,8 @@ def test_store_writes_exact_columns_and_looks_up_per_judge_version(tmp_path):
     assert table.schema.field("score").type == pa.int8() and votes_type.value_type == pa.int8()
     assert table.column("votes").to_pylist() == [[-1, None, -1], [None, None, None]]
     got = store.lookup(["t1", "t2", "t3"], "llm", "v1")
-    assert set(got) == {"t1", "t2"} and got["t1"]["score"] == 1 and got["t1"]["votes"] == [1, 1, 1]  # latest wins
-    assert store.lookup(["t1"], "llm", "v2")["t1"]["score"] == 0 and store.lookup(["t1"], "rules", "v1") == {}
+    assert set(got) == {"t1", "t2"} and got["t1"].score == 1 and got["t1"].votes == [1, 1, 1]  # latest wins
+    assert store.lookup(["t1"], "llm", "v2")["t1"].score == 0 and store.lookup(["t1"], "rules", "v1") == {}
     assert not list(store.dir.glob(".*.tmp"))
 
 
@@ -237,10 +238,12 @@ def test_combine_reward_rejects_unknown_modes():
 
 
 def test_judge_stats():
-    js = [{"score": 1, "votes": [1, 1, None], "hint": None, "reused": True},
-          {"score": -1, "votes": [-1, -1, 1], "hint": "Be brief and concrete."},
-          {"score": 0, "votes": [None, None, None], "hint": None},
-          {"score": 0, "votes": [1, -1, 0], "hint": None}]
+    def judged(score, votes, hint=None, reused=False):
+        return Judged(turn_id="t", session_id=None, judge="llm", judge_version="1", prompt_version=None, score=score,
+                      votes=votes, hint=hint, reward=float(score), reused=reused)
+
+    js = [judged(1, [1, 1, None], reused=True), judged(-1, [-1, -1, 1], "Be brief and concrete."),
+          judged(0, [None, None, None]), judged(0, [1, -1, 0])]
     s = judge_stats(js, pending=5)
     assert s["judge_turns"] == 4 and s["judge_unjudged"] == 1 and s["judge_reused"] == 1
     assert (s["judge_score_pos_rate"], s["judge_score_neg_rate"], s["judge_score_zero_rate"]) == (0.25, 0.25, 0.5)

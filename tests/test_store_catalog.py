@@ -49,7 +49,7 @@ def conversation(session: str, n: int, start: float = 0.0, pv: int = 3) -> list:
 
 
 def ids(pairs: list[dict]) -> list[str]:
-    return [p["turn_id"] for p in pairs]
+    return [p.turn_id for p in pairs]
 
 
 @pytest.fixture
@@ -105,12 +105,12 @@ def test_abandoned_claims_expire(tmp_path, store):
 def test_batch_by_token_budget_oldest_first(store):
     _, cat, recs = store
     everything = pending_pairs(cat, 99)
-    assert [p["created_at"] for p in everything] == sorted(p["created_at"] for p in everything)
-    assert everything[0]["prompt_tokens"] + everything[0]["response_tokens"] == 5
+    assert [p.created_at for p in everything] == sorted(p.created_at for p in everything)
+    assert everything[0].prompt_tokens + everything[0].response_tokens == 5
     assert ids(cat.select_batch("r1", max_turns=99, max_tokens=12)) == ids(everything[:2])
     assert ids(cat.select_batch("r2", max_turns=99, max_tokens=3)) == ids(everything[2:3])  # first always fits
     pair = cat.select_batch("r3", max_turns=1)[0]
-    assert pair["next_role"] == "user" and pair["next_state"].startswith('[{"role": "user"')
+    assert pair.next_role == "user" and pair.next_state.startswith('[{"role": "user"')
 
 
 def test_batch_skips_turns_beyond_max_staleness(tmp_path):
@@ -118,7 +118,7 @@ def test_batch_skips_turns_beyond_max_staleness(tmp_path):
     seal(home, conversation("old", 3, 0, pv=1) + conversation("new", 3, 10, pv=4))
     cat = Catalog(home / "catalog.duckdb", home / "shards")
     fresh = cat.select_batch("r", max_turns=99, current_version=5, max_staleness=1)
-    assert {p["session_id"] for p in fresh} == {"new"} and len(fresh) == 2
+    assert {p.session_id for p in fresh} == {"new"} and len(fresh) == 2
     assert len(cat.select_batch("r2", max_turns=99, current_version=5, max_staleness=None)) == 2  # old ones
 
 
@@ -130,11 +130,11 @@ def test_closed_sessions_without_next_state(tmp_path):
     seal(home, done + idle)
     cat = Catalog(home / "catalog.duckdb", home / "shards")
     closed = cat.closed_without_next_state(idle_s=3600, now=T0 + timedelta(minutes=5))
-    assert [(t["session_id"], t["turn_index"]) for t in closed] == [("done", 1)]
+    assert [(t.session_id, t.turn_index) for t in closed] == [("done", 1)]
     later = cat.closed_without_next_state(idle_s=3600, now=T0 + timedelta(hours=2))
-    assert [(t["session_id"], t["turn_index"]) for t in later] == [("done", 1), ("idle", 1)]
-    assert later[0]["response_token_ids"] == [4, 5]
-    cat.commit_consumed([later[0]["turn_id"]], "outcome-run", 3)
+    assert [(t.session_id, t.turn_index) for t in later] == [("done", 1), ("idle", 1)]
+    assert later[0].response_token_ids == [4, 5]
+    cat.commit_consumed([later[0].turn_id], "outcome-run", 3)
     assert len(cat.closed_without_next_state(idle_s=3600, now=T0 + timedelta(hours=2))) == 1
 
 
@@ -154,7 +154,7 @@ def test_version_stats_join_judgments(tmp_path):
         (1, 3, 0, None), (2, 2, 0, None)]
     assert no_judge[0]["tokens"] == 15
 
-    pairs = {(p["session_id"], p["turn_index"]): p["turn_id"] for p in pending_pairs(cat, 99)}
+    pairs = {(p.session_id, p.turn_index): p.turn_id for p in pending_pairs(cat, 99)}
     write_judgments(home / "judgments" / "j1.parquet", [
         {"turn_id": pairs["a", 0], "judge": "rules", "score": -1, "created_at": T0},
         {"turn_id": pairs["a", 0], "judge": "rules", "score": 1, "created_at": T0 + timedelta(hours=1)},  # newer

@@ -41,14 +41,14 @@ def populated(home: Path) -> Catalog:
     training batch and in a closed, unsealed segment."""
     seal(home, conversation("alice", 3) + conversation("bob", 3, 0.5), conversation(EVIL, 2, 2))
     cat = Catalog(home / "catalog.duckdb", home / "shards")
-    pairs = {(p["session_id"], p["turn_index"]): p["turn_id"] for p in pending_pairs(cat, 99)}
+    pairs = {(p.session_id, p.turn_index): p.turn_id for p in pending_pairs(cat, 99)}
     cat.commit_consumed([pairs["alice", 0], pairs["bob", 0]], "run-1", 1)
     cat.select_batch("flow-2", max_turns=99)  # claims alice 1, bob 1, evil 0
     write_judgments(home / "judgments" / "part-0.parquet", [
         {"turn_id": pairs["alice", 0], "session_id": "alice", "judge": "rules", "score": 1, "created_at": T0},
         {"turn_id": pairs["bob", 0], "session_id": "bob", "judge": "rules", "score": -1, "created_at": T0}])
     (home / "runs" / "run-1").mkdir(parents=True)
-    from clawflow.feedback import write_samples
+    from clawflow.contracts.sample import write_samples
     write_samples([{"turn_id": pairs[s, 0], "prompt_token_ids": [1], "response_token_ids": [2],
                     "response_logprobs": [-0.1], "reward": 1.0, "hint": None} for s in ("alice", "bob")],
                   home / "runs" / "run-1" / "samples.parquet")

@@ -91,20 +91,20 @@ def test_replicas_seal_into_one_bucket_and_the_orchestrator_trains_from_it(tmp_p
 
     cat = orchestrator(tmp_path / "orchestrator", store_cfg(s3_store))
     pairs = pending_pairs(cat, 10)
-    assert sorted(p["session_id"] for p in pairs) == ["gw-a-s", "gw-b-s"]  # turn 0 of each, paired with turn 1
+    assert sorted(p.session_id for p in pairs) == ["gw-a-s", "gw-b-s"]  # turn 0 of each, paired with turn 1
     assert cat.stats()["turns"] == 4 and cat.stats()["shards"] == 2
     assert not (tmp_path / "orchestrator" / "shards").exists()
 
     storage = Storage.from_store(tmp_path / "orchestrator", store_cfg(s3_store))
     judged = JudgmentStore(tmp_path / "orchestrator", storage)
-    judged.append([{"turn_id": p["turn_id"], "session_id": p["session_id"], "judge": "j", "judge_version": "1",
+    judged.append([{"turn_id": p.turn_id, "session_id": p.session_id, "judge": "j", "judge_version": "1",
                     "score": 1, "votes": [1]} for p in pairs])
-    assert set(judged.lookup([p["turn_id"] for p in pairs], "j", "1")) == {p["turn_id"] for p in pairs}
+    assert set(judged.lookup([p.turn_id for p in pairs], "j", "1")) == {p.turn_id for p in pairs}
     assert [s["judged"] for s in cat.version_stats()] == [2]
     write_env_rewards(storage, [{"session_id": "gw-a-s", "turn_index": 0, "response_text": "ok",
                                  "env_reward": 1.0, "source": "test"}])
     assert [r["env_reward"] for r in read_env_rewards(storage)] == [1.0]
-    rewards = {p["session_id"]: p["env_reward"] for p in pending_pairs(cat, 10)}
+    rewards = {p.session_id: p.env_reward for p in pending_pairs(cat, 10)}
     assert rewards == {"gw-a-s": 1.0, "gw-b-s": None}
     for folder in ("shards", "judgments", "env_rewards"):
         assert storage.list(folder), folder
@@ -127,7 +127,7 @@ def test_a_name_taken_by_another_writer_is_never_overwritten(tmp_path, s3_store)
     assert len({s.path for s in shards}) == 2, shards
     assert str(shards[1].path).endswith(".parquet") and shards[1].shard_id.startswith(shards[0].shard_id + "-")
     cat = orchestrator(tmp_path / "orchestrator", cfg)
-    assert sorted(r["session_id"] for r in cat.closed_without_next_state(idle_s=0)) == ["session-a", "session-b"]
+    assert sorted(r.session_id for r in cat.closed_without_next_state(idle_s=0)) == ["session-a", "session-b"]
 
 
 def test_a_damaged_shard_is_quarantined_not_read(tmp_path, s3_store):
@@ -152,7 +152,8 @@ def test_forget_reaches_the_object_store_and_shards_uploaded_later(tmp_path, s3_
     turns before the catalog registers it."""
     orch = tmp_path / "orchestrator"
     orch.mkdir()
-    from clawflow.feedback import SAMPLE_SCHEMA, keep_samples
+    from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
+    from clawflow.feedback import keep_samples
     from clawflow.store.privacy import forget_session
 
     cfg = store_cfg(s3_store, replica_id="gw")
@@ -166,7 +167,7 @@ def test_forget_reaches_the_object_store_and_shards_uploaded_later(tmp_path, s3_
     late_writer.append(turn("bob", 2))
 
     cat, storage = orchestrator(orch, cfg), Storage.from_store(orch, cfg)
-    ids = {r["session_id"]: r["turn_id"] for r in pending_pairs(cat, 10)}
+    ids = {r.session_id: r.turn_id for r in pending_pairs(cat, 10)}
     JudgmentStore(orch, storage).append([{"turn_id": t, "session_id": s, "judge": "j", "judge_version": "1",
                                           "score": 1, "votes": [1]} for s, t in ids.items()])
     pq.write_table(pa.Table.from_pylist([{"turn_id": t} for t in ids.values()], schema=SAMPLE_SCHEMA),

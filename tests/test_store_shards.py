@@ -56,9 +56,9 @@ def test_shard_of_previous_schema_version_is_read(tmp_path):
 
     cat = catalog(home)
     pairs = pending_pairs(cat, 99)
-    assert [(p["session_id"], p["turn_index"]) for p in pairs] == [("old-a", 0), ("old-b", 0), ("new", 0)]
-    assert json.loads(pairs[1]["next_state"]) == user("no, shorter please")
-    assert pairs[0]["prompt_tokens"] == 3 and pairs[0]["response_tokens"] == 2  # derived for v1
+    assert [(p.session_id, p.turn_index) for p in pairs] == [("old-a", 0), ("old-b", 0), ("new", 0)]
+    assert json.loads(pairs[1].next_state) == user("no, shorter please")
+    assert pairs[0].prompt_tokens == 3 and pairs[0].response_tokens == 2  # derived for v1
     assert {s["policy_version"]: s["turns"] for s in cat.version_stats()} == {1: 4, 3: 2}
 
     (merged,) = compact(cat, target_bytes=1 << 30)  # compaction rewrites old shards in the current version
@@ -67,7 +67,7 @@ def test_shard_of_previous_schema_version_is_read(tmp_path):
 
 
 def ids_of(rows):
-    return [r["turn_id"] for r in rows]
+    return [r.turn_id for r in rows]
 
 
 def test_shard_from_a_newer_schema_is_skipped_not_read(tmp_path):
@@ -105,7 +105,7 @@ def test_corrupt_shards_are_quarantined_with_a_reason(tmp_path):
     for reason in reasons:
         info = json.loads(reason.read_text())
         assert info["reason"] and info["original"].startswith(str(home / "shards"))
-    assert {p["session_id"] for p in pending_pairs(cat, 99)} == {"good"}
+    assert {p.session_id for p in pending_pairs(cat, 99)} == {"good"}
     assert cat.stats()["shards"] == 1
 
 
@@ -176,10 +176,10 @@ def test_retention_never_deletes_untrained_or_referenced_turns(tmp_path):
     seal(home, old + side)
     cat = catalog(home)
     pairs = pending_pairs(cat, 99)
-    by_index = {p["turn_index"]: p["turn_id"] for p in pairs}
+    by_index = {p.turn_index: p.turn_id for p in pairs}
     cat.commit_consumed([by_index[0], by_index[1]], "run-v1", 1)  # v1: deleted from the registry
     cat.commit_consumed([by_index[2]], "run-v2", 2)  # v2: still registered
-    claimed = cat.select_batch("training-now", max_turns=1)[0]["turn_id"]  # index 3
+    claimed = cat.select_batch("training-now", max_turns=1)[0].turn_id  # index 3
     later = T0 + timedelta(days=30)
 
     kept_all = apply_retention(cat, days=7, max_bytes=None, registered_versions=None, now=later)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clawflow.feedback import SAMPLE_SCHEMA
+from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.train.rehearsal import load_rehearsal
 from clawflow.train.rewrite import Candidate, choose, cut_at_eos, hint_strength, sample_candidates
 from clawflow.train.teacher import teacher_prompt_ids

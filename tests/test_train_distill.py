@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow.config import TrainConfig
-from clawflow.feedback import SAMPLE_SCHEMA
+from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.train.advantages import negative_scaled
 from clawflow.train.objective import Objective
 from clawflow.train.rewrite import addresses, cut_at_eos

@@ -13,7 +13,10 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow.config import REPO_ROOT, load_config
-from clawflow.feedback import SAMPLE_SCHEMA, training_samples
+from clawflow.contracts.judgment import Judged
+from clawflow.contracts.pair import Pair
+from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
+from clawflow.feedback import training_samples
 from clawflow.train.launch import run_training
 from clawflow.train.teacher import hinted_messages, teacher_prompt_ids
 
@@ -117,12 +120,18 @@ def test_opd_moves_the_student_toward_the_hinted_teacher(tiny_model_dir, opd_bat
 
 
 def test_feedback_keeps_hinted_turns_and_their_messages():
-    pairs = [{"turn_id": f"t{i}", "prompt_token_ids": [1, 2], "response_token_ids": [3], "response_logprobs": [-0.5],
-              "messages": '[{"role": "user", "content": "hi"}]', "tools": None, "group_id": f"g{i}",
-              "policy_version": 2} for i in range(3)]  # one group each: a varied group keeps its zeros too
-    judgments = [{"turn_id": "t0", "score": 1, "hint": None}, {"turn_id": "t1", "score": 0, "hint": "be brief"},
-                 {"turn_id": "t2", "score": 0, "hint": None}]
+    pairs = [Pair(turn_id=f"t{i}", session_id="s", turn_index=i, prompt_token_ids=[1, 2], response_token_ids=[3],
+                  response_logprobs=[-0.5], response_text="x", next_state="[]",
+                  messages='[{"role": "user", "content": "hi"}]', tools=None, group_id=f"g{i}", policy_version=2)
+             for i in range(3)]  # one group each: a varied group keeps its zeros too
+
+    def judged(turn_id, score, hint):
+        return Judged(turn_id=turn_id, session_id="s", judge="rules", judge_version="1", prompt_version=None,
+                      score=score, votes=[score], hint=hint, reward=float(score))
+
+    judgments = [judged("t0", 1, None), judged("t1", 0, "be brief"), judged("t2", 0, None)]
     samples = training_samples(pairs, judgments)
-    assert [s["turn_id"] for s in samples] == ["t0", "t1"]  # the hint-only turn trains (OPD); t2 has nothing
-    assert samples[1]["messages"] == pairs[1]["messages"] and samples[1]["policy_version"] == 2
-    assert set(samples[0]) == set(SAMPLE_SCHEMA.names)
+    assert [s.turn_id for s in samples] == ["t0", "t1"]  # the hint-only turn trains (OPD); t2 has nothing
+    assert samples[1].messages == json.loads(pairs[1].messages) and samples[1].policy_version == 2
+    assert samples[1].hint == "be brief" and samples[0].reward == 1.0
+    assert set(samples[0].to_row()) == set(SAMPLE_SCHEMA.names)

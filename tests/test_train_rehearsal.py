@@ -11,7 +11,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow.config import REPO_ROOT
-from clawflow.feedback import SAMPLE_SCHEMA
+from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.helpfulness import load_questions
 from clawflow.train.checkpoint import META_FILE
 from clawflow.train.rehearsal import DEFAULT_FILE, load_rehearsal, pair_with_hints

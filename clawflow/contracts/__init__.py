@@ -4,8 +4,10 @@ Each module holds one contract: a typed record, its Arrow schema (column names a
 file format: existing files must keep reading), and its one writer and reader, used by both the
 stage that writes and the stages that read.
 
+- pair.py: a main turn with its next state (catalog → judge → sample builder), in memory only
+- judgment.py: the judge's row, `judgments/*.parquet`; and `Judged`, that row as the training
+  flow carries it (plus the reward the turn trains with)
 - sample.py: the training sample (orchestrator → trainer), `runs/<run_id>/samples.parquet`
-- judgment.py: the judge's row, `judgments/*.parquet`
 - env_reward.py: an environment's outcome for a turn, `env_rewards/*.parquet`
 
 The turn record itself (the gateway's shards) keeps its versioned schema in
@@ -14,8 +16,9 @@ never a stage's package; the storage root they read and write is a Protocol (_pa
 """
 
 from clawflow.contracts.env_reward import EnvReward, read_env_rewards, write_env_rewards
-from clawflow.contracts.judgment import JudgmentRow, read_judgments, write_judgments
+from clawflow.contracts.judgment import Judged, JudgmentRow, read_judgments, write_judgments
+from clawflow.contracts.pair import Pair
 from clawflow.contracts.sample import Sample, read_samples, write_samples
 
-__all__ = ["EnvReward", "JudgmentRow", "Sample", "read_env_rewards", "read_judgments", "read_samples",
+__all__ = ["EnvReward", "Judged", "JudgmentRow", "Pair", "Sample", "read_env_rewards", "read_judgments", "read_samples",
            "write_env_rewards", "write_judgments", "write_samples"]

@@ -51,6 +51,21 @@ COLUMNS = SCHEMA.names
 COL = columns(JudgmentRow)
 
 
+@dataclass(frozen=True, slots=True)
+class Judged(JudgmentRow):
+    """A judgment as the training flow carries it: the stored row, the reward the turn trains
+    with (score combined with its environment outcome, clawflow/judge/stats.py), and whether it
+    was found in the store for this judge version instead of asked again."""
+
+    reward: float = 0.0
+    reused: bool = False
+
+    @classmethod
+    def of(cls, row: JudgmentRow | Mapping[str, Any], reward: float, reused: bool) -> Judged:
+        fields = asdict(row) if isinstance(row, JudgmentRow) else {c: row.get(c) for c in COLUMNS}
+        return cls(**fields, reward=reward, reused=reused)
+
+
 def write_judgments(root: Root, rows: Iterable[JudgmentRow | Mapping[str, Any]]) -> Path | str | None:
     """`rows` as one new file (extra keys ignored, created_at defaults to now); None when empty."""
     rows = [asdict(r) if isinstance(r, JudgmentRow) else r for r in rows]

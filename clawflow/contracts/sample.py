@@ -80,7 +80,7 @@ def _json(value):
 
 def write_samples(samples: Iterable[Sample | Mapping[str, Any]], path: Path) -> Path:
     """A batch file at `path` (a local path): Sample records, or rows already in the file's form
-    (feedback.training_samples' dicts, JSON text for messages and tools)."""
+    (`Sample.to_row()`: JSON text for messages and tools)."""
     rows = [s.to_row() if isinstance(s, Sample) else s for s in samples]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

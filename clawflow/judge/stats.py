@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+
+from clawflow.contracts.judgment import Judged
 
 
 def combine_reward(score: int, env_reward: float | None, mode: str = "add", weight: float = 1.0) -> float:
@@ -22,25 +24,25 @@ def combine_reward(score: int, env_reward: float | None, mode: str = "add", weig
     raise ValueError(f"unknown env_reward mode {mode!r}")
 
 
-def judge_stats(judgments: list[dict[str, Any]], pending: int) -> dict[str, float]:
+def judge_stats(judgments: Sequence[Judged], pending: int) -> dict[str, float]:
     """MLflow metrics for one run: score distribution, vote agreement, invalid votes, hints.
     `pending` = turns offered to the judge; those without a judgment stayed unjudged."""
     n = len(judgments)
-    scores = Counter(j["score"] for j in judgments)
-    votes = [v for j in judgments for v in (j.get("votes") or [])]
+    scores = Counter(j.score for j in judgments)
+    votes = [v for j in judgments for v in (j.votes or [])]
     agreement = []
     for j in judgments:
-        valid = [v for v in (j.get("votes") or []) if v is not None]
+        valid = [v for v in (j.votes or []) if v is not None]
         if valid:
             agreement.append(Counter(valid).most_common(1)[0][1] / len(valid))
     return {
         "judge_turns": float(n),
         "judge_unjudged": float(pending - n),
-        "judge_reused": float(sum(bool(j.get("reused")) for j in judgments)),
+        "judge_reused": float(sum(j.reused for j in judgments)),
         "judge_score_pos_rate": scores[1] / n if n else 0.0,
         "judge_score_neg_rate": scores[-1] / n if n else 0.0,
         "judge_score_zero_rate": scores[0] / n if n else 0.0,
         "judge_vote_agreement": sum(agreement) / len(agreement) if agreement else 0.0,
         "judge_invalid_vote_rate": sum(v is None for v in votes) / len(votes) if votes else 0.0,
-        "judge_hint_rate": sum(bool(j.get("hint")) for j in judgments) / n if n else 0.0,
+        "judge_hint_rate": sum(bool(j.hint) for j in judgments) / n if n else 0.0,
     }

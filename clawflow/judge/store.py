@@ -9,10 +9,11 @@ answer is simply absent, and is judged on a later run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from clawflow.contracts.judgment import COL, COLUMNS, SCHEMA, judgment_files, write_judgments
+from clawflow.contracts.judgment import COL, COLUMNS, SCHEMA, JudgmentRow, judgment_files, write_judgments
 from clawflow.home import Home
 from clawflow.store.storage import Storage
 
@@ -31,11 +32,11 @@ class JudgmentStore:
     def files(self) -> list[Path | str]:
         return judgment_files(self.storage)
 
-    def append(self, rows: list[dict[str, Any]]) -> Path | str | None:
-        """Write `rows` (dicts with COLUMNS; created_at defaults to now) as one new file."""
+    def append(self, rows: Sequence[JudgmentRow | Mapping[str, Any]]) -> Path | str | None:
+        """Write `rows` (created_at defaults to now) as one new file."""
         return write_judgments(self.storage, rows)
 
-    def lookup(self, turn_ids: list[str], judge: str, judge_version: str) -> dict[str, dict[str, Any]]:
+    def lookup(self, turn_ids: list[str], judge: str, judge_version: str) -> dict[str, JudgmentRow]:
         """Stored judgments of `turn_ids` by this judge version (latest wins), by turn id."""
         files = self.files()
         if not files or not turn_ids:
@@ -54,4 +55,4 @@ class JudgmentStore:
             rows = cur.fetchall()
         finally:
             con.close()
-        return {row[COL.turn_id]: row for row in (dict(zip(names, r)) for r in rows)}
+        return {row[COL.turn_id]: JudgmentRow(**row) for row in (dict(zip(names, r)) for r in rows)}

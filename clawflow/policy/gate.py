@@ -30,9 +30,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from clawflow.config import GateConfig, HelpfulnessGateConfig
+
+if TYPE_CHECKING:  # holdout reads the store; the gate only scores what it is handed
+    from clawflow.policy.holdout import ProbeTurn
 
 Step = Callable[[], None]
 
@@ -119,7 +122,7 @@ def drift(tok, champ, cand, prompts: list[str], max_new_tokens: int, step: Step 
             "probes": float(len(kls))}
 
 
-def reply_loglik(model, turns: list[dict[str, Any]], max_tokens: int, step: Step | None = None) -> list[float]:
+def reply_loglik(model, turns: Sequence[ProbeTurn], max_tokens: int, step: Step | None = None) -> list[float]:
     """Mean per-token log-likelihood of each turn's recorded reply given its recorded prompt
     (token ids, no re-tokenization); long prompts keep their last tokens."""
     import torch
@@ -129,19 +132,19 @@ def reply_loglik(model, turns: list[dict[str, Any]], max_tokens: int, step: Step
     out = []
     with torch.inference_mode():
         for t in turns:
-            reply = list(t["response_token_ids"])[:max_tokens]
-            prompt = list(t["prompt_token_ids"])[-max(max_tokens - len(reply), 1):]
+            reply = list(t.response_token_ids)[:max_tokens]
+            prompt = list(t.prompt_token_ids)[-max(max_tokens - len(reply), 1):]
             out.append(float(response_logprobs(model, [prompt], [reply])[0].mean()))
             if step:
                 step()
     return out
 
 
-def judged_probe(tok, champ, cand, turns: list[dict[str, Any]], max_tokens: int,
+def judged_probe(tok, champ, cand, turns: Sequence[ProbeTurn], max_tokens: int,
                  step: Step | None = None) -> dict[str, float]:
-    turns = [t for t in turns if len(t["response_token_ids"]) > 0 and len(t["prompt_token_ids"]) > 0]
+    turns = [t for t in turns if len(t.response_token_ids) > 0 and len(t.prompt_token_ids) > 0]
     return judged_margins(reply_loglik(champ, turns, max_tokens, step), reply_loglik(cand, turns, max_tokens, step),
-                          [int(t["score"]) for t in turns])
+                          [int(t.score) for t in turns])
 
 
 def helpfulness_check(h: HelpfulnessGateConfig, tok, champ, cand, candidate_dir: str, champion_dir: str,
@@ -175,10 +178,10 @@ def helpfulness_check(h: HelpfulnessGateConfig, tok, champ, cand, candidate_dir:
 
 
 def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
-             judged: list[dict[str, Any]] | None = None, base_dir: str | None = None,
+             judged: Sequence[ProbeTurn] | None = None, base_dir: str | None = None,
              cache_dir: Path | None = None) -> GateResult:
-    """The verdict on `candidate_dir` vs `champion_dir`; `judged` are held-out judged turns (dicts
-    with prompt_token_ids, response_token_ids, score), empty or None to skip that check; `base_dir`
+    """The verdict on `candidate_dir` vs `champion_dir`; `judged` are held-out judged turns
+    (policy/holdout.py), empty or None to skip that check; `base_dir`
     is the base model the helpfulness check also compares with; `cache_dir` keeps the references'
     helpfulness figures."""
     if bad := nonfinite_tensors(candidate_dir):

@@ -13,12 +13,33 @@ trained an ancestor of both models, so the check reads "did this step undo earli
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, TypeVar
 
 from clawflow.store import queries
 from clawflow.store.catalog import Catalog
 
 _SCALE = 1 << 32
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeTurn:
+    """A held-out judged turn as the gate scores it: the recorded prompt and reply token ids."""
+
+    turn_id: str
+    score: int  # +1 / −1
+    created_at: datetime
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+
+
+class _Keyed(Protocol):
+    turn_id: str
+
+
+K = TypeVar("K", bound=_Keyed)
 
 
 def _cut(fraction: float) -> int:
@@ -29,17 +50,16 @@ def in_holdout(turn_id: str, fraction: float) -> bool:
     return int(hashlib.md5(turn_id.encode()).hexdigest()[:8], 16) < _cut(fraction)
 
 
-def split_holdout(judgments: list[dict[str, Any]], fraction: float) -> tuple[list[dict], list[dict]]:
+def split_holdout(judgments: Sequence[K], fraction: float) -> tuple[list[K], list[K]]:
     """(judgments to train on, held-out judgments) by the turn-id hash."""
-    held = [j for j in judgments if in_holdout(j["turn_id"], fraction)]
-    ids = {j["turn_id"] for j in held}
-    return [j for j in judgments if j["turn_id"] not in ids], held
+    held = [j for j in judgments if in_holdout(j.turn_id, fraction)]
+    ids = {j.turn_id for j in held}
+    return [j for j in judgments if j.turn_id not in ids], held
 
 
-def held_out_turns(catalog: Catalog, per_sign: int, exclude: list[str], fraction: float) -> list[dict[str, Any]]:
+def held_out_turns(catalog: Catalog, per_sign: int, exclude: list[str], fraction: float) -> list[ProbeTurn]:
     """The newest judged (+1 / −1) main turns not in `exclude` (the candidate's batch), at most
-    `per_sign` of each score, newest first; from the holdout slice when `fraction` > 0. Each dict:
-    turn_id, score, created_at, prompt_token_ids, response_token_ids."""
+    `per_sign` of each score, newest first; from the holdout slice when `fraction` > 0."""
     if per_sign <= 0:
         return []
     judged, params = queries.judgments_from(catalog.storage)
@@ -53,8 +73,7 @@ def held_out_turns(catalog: Catalog, per_sign: int, exclude: list[str], fraction
     with catalog.connect() as con:
         keys = con.execute(sql, args).fetchall()
         rows = queries.full_rows(catalog, con, [k[0] for k in keys], {k[1] for k in keys})
-    return [{"turn_id": tid, "score": int(score), "created_at": rows[tid]["created_at"],
-             "prompt_token_ids": list(rows[tid]["prompt_token_ids"]),
-             "response_token_ids": list(rows[tid]["response_token_ids"])}
+    return [ProbeTurn(tid, int(score), rows[tid]["created_at"], list(rows[tid]["prompt_token_ids"]),
+                      list(rows[tid]["response_token_ids"]))
             for tid, _, score in keys if tid in rows]
 

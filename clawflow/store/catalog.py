@@ -36,8 +36,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from clawflow.store import journal, queries
+from clawflow.contracts.pair import Pair
 from clawflow.home import Home
+from clawflow.store import journal, queries
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
 from clawflow.store.record import sql_columns
@@ -257,7 +258,7 @@ class Catalog:
 
     # -- queries (see queries.py) ------------------------------------------------------------
     def select_batch(self, claim_id: str, max_turns: int, max_tokens: int | None = None,
-                     current_version: int | None = None, max_staleness: int | None = None) -> list[dict[str, Any]]:
+                     current_version: int | None = None, max_staleness: int | None = None) -> list[Pair]:
         """The training batch of run `claim_id`: oldest pending pairs first, at most `max_turns`
         and `max_tokens` (prompt + response; the first pair always fits), skipping turns more than
         `max_staleness` policy versions behind `current_version`. Claimed for `claim_id`; a retry
@@ -275,7 +276,7 @@ class Catalog:
                     pairs = queries.batch(self, con, max_turns=max_turns, max_tokens=max_tokens,
                                           current_version=current_version, max_staleness=max_staleness)
                     con.execute("INSERT INTO claims SELECT id, $me, now() FROM unnest($ids::VARCHAR[]) AS u(id)",
-                                {"me": claim_id, "ids": [p["turn_id"] for p in pairs]}).fetchall()
+                                {"me": claim_id, "ids": [p.turn_id for p in pairs]}).fetchall()
                 con.execute("COMMIT").fetchall()
             except BaseException:
                 with suppress(duckdb.Error):
@@ -289,7 +290,7 @@ class Catalog:
             return con.execute("DELETE FROM claims WHERE claim_id = $me RETURNING turn_id",
                                {"me": claim_id}).fetchall().__len__()
 
-    def closed_without_next_state(self, idle_s: float = 3600.0, now: datetime | None = None) -> list[dict[str, Any]]:
+    def closed_without_next_state(self, idle_s: float = 3600.0, now: datetime | None = None) -> list[Pair]:
         """Unconsumed main turns that ended their session (X-Session-Done, or idle for `idle_s`)
         with no next state: judged on the outcome (env_reward) alone, if at all."""
         with self.connect() as con:

@@ -27,6 +27,7 @@ from clawflow.contracts.env_reward import COL as E
 from clawflow.contracts.env_reward import env_reward_files
 from clawflow.contracts.judgment import COL as J
 from clawflow.contracts.judgment import judgment_files
+from clawflow.contracts.pair import Pair
 from clawflow.store.storage import Storage
 
 
@@ -92,7 +93,7 @@ def full_rows(cat: CatalogView, con: duckdb.DuckDBPyConnection, ids: list[str], 
 
 def batch(cat: CatalogView, con: duckdb.DuckDBPyConnection, max_turns: int, max_tokens: int | None = None,
           current_version: int | None = None, max_staleness: int | None = None,
-          only_ids: list[str] | None = None) -> list[dict[str, Any]]:
+          only_ids: list[str] | None = None) -> list[Pair]:
     """Pending pairs oldest first (or exactly the turns `only_ids`, e.g. a run's claim)."""
     if max_turns <= 0:
         return []
@@ -118,11 +119,11 @@ def batch(cat: CatalogView, con: duckdb.DuckDBPyConnection, max_turns: int, max_
         pair["next_state"] = rows[next_id]["new_messages"]
         pair["next_role"] = _first_role(pair["next_state"])
         pairs.append(pair)
-    return attach_env_rewards(cat, con, pairs)
+    return [Pair.from_row(p) for p in attach_env_rewards(cat, con, pairs)]
 
 
 def closed_without_next_state(cat: CatalogView, con: duckdb.DuckDBPyConnection, idle_s: float,
-                              now: datetime) -> list[dict[str, Any]]:
+                              now: datetime) -> list[Pair]:
     sql = _PENDING.format(source="pending") + """
         SELECT p.turn_id, p.path FROM pending AS p
         WHERE NOT EXISTS (SELECT 1 FROM m AS n WHERE n.session_id = p.session_id AND n.turn_index = p.turn_index + 1)
@@ -130,7 +131,8 @@ def closed_without_next_state(cat: CatalogView, con: duckdb.DuckDBPyConnection, 
         ORDER BY p.created_at, p.turn_id"""
     keys = con.execute(sql, {"idle_before": now - timedelta(seconds=idle_s)}).fetchall()
     rows = full_rows(cat, con, [k[0] for k in keys], {k[1] for k in keys})
-    return attach_env_rewards(cat, con, [rows[k[0]] for k in keys])
+    return [Pair.from_row({**r, "next_state": None})
+            for r in attach_env_rewards(cat, con, [rows[k[0]] for k in keys])]
 
 
 # The files' columns are named once, in the contract; the rest of the query uses these aliases.
