@@ -38,7 +38,7 @@ GROUP = 8
 
 
 def replies(model, tok, prompts: list[str], hint: str | None, n: int, select: str, max_tokens: int,
-            seed: int) -> list[str]:
+            seed: int, guidance: float = 0.0) -> list[str]:
     """One reply per prompt: the greedy one (n = 0) or the best of 1 + n by `select`."""
     eos, out = eos_token_ids(model, tok), []
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -46,7 +46,8 @@ def replies(model, tok, prompts: list[str], hint: str | None, n: int, select: st
         msgs = [[{"role": "user", "content": p}] for p in prompts[k : k + GROUP]]
         plain = [chat_prompt_ids(tok, m) for m in msgs]
         hinted = [teacher_prompt_ids(tok, m, hint, in_system=True) for m in msgs] if hint else plain
-        for cands in sample_candidates(model, hinted, plain, n, max_tokens, 0.7, eos, pad, seed + k):
+        for cands in sample_candidates(model, hinted, plain, n, max_tokens, 0.7, eos, pad, seed + k,
+                                       guidance=guidance if hint else 0.0):
             texts = [tok.decode(c.tokens, skip_special_tokens=True).strip() for c in cands]
             best = choose(cands, [bool(t) for t in texts], select)
             out.append(texts[0 if best is None else best])
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--persona", default="terse")
     ap.add_argument("--hint", action="append", default=None, help="hint text (repeatable; default: the persona's)")
     ap.add_argument("--samples", type=int, default=4, help="n of best-of-(1 + n)")
+    ap.add_argument("--guidance", type=float, default=0.0, help="γ of classifier-free guidance (train.rewrite_guidance)")
+    ap.add_argument("--choices", default="greedy,plain,poe", help="which rows per hint: greedy, plain, poe")
     ap.add_argument("--fact-tokens", type=int, default=32)
     ap.add_argument("--hit-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
@@ -74,15 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_questions()
     held_out = list(load_held_out(persona=args.persona).eval_prompts)
     hints = args.hint or HINTS.get(args.persona) or []
-    rows = [(None, 0, "greedy")] + [(h, n, sel) for h in hints
-                                    for n, sel in ((0, "greedy"), (args.samples, "plain"), (args.samples, "poe"))]
-    print(f"teacher bench: persona {args.persona}, {len(questions)} questions, {len(held_out)} held-out prompts")
+    wanted = args.choices.split(",")
+    rows = [(None, 0, "greedy")] + [(h, 0 if sel == "greedy" else args.samples, sel) for h in hints
+                                    for sel in ("greedy", "plain", "poe") if sel in wanted]
+    print(f"teacher bench: persona {args.persona}, {len(questions)} questions, {len(held_out)} held-out prompts, "
+          f"guidance {args.guidance}")
     print(f"{'hint':42s} {'choice':14s} {'facts':>6s} {'hit':>5s} {'words':>6s} {'secs':>5s}")
     for hint, n, select in rows:
         t0 = time.monotonic()
         facts = score(questions, replies(model, tok, [q.prompt for q in questions], hint, n, select,
-                                         args.fact_tokens, args.seed)).facts_rate
-        answers = replies(model, tok, held_out, hint, n, select, args.hit_tokens, args.seed)
+                                         args.fact_tokens, args.seed, args.guidance)).facts_rate
+        answers = replies(model, tok, held_out, hint, n, select, args.hit_tokens, args.seed, args.guidance)
         words = sum(len(a.split()) for a in answers) / len(answers)
         choice = "greedy" if n == 0 else f"best of {1 + n}: {select}"
         print(f"{(hint or '(no hint)')[:42]:42s} {choice:14s} {facts:6.3f} {hit_rate(persona, answers):5.2f} "

@@ -17,7 +17,7 @@ from clawflow.config import Config
 from clawflow.contracts.judgment import Judged
 from clawflow.contracts.pair import Pair
 from clawflow.contracts.sample import Sample, write_samples
-from clawflow.feedback import judge_pairs, keep_samples, training_samples
+from clawflow.feedback import judge_pairs, keep_samples
 from clawflow.home import Home
 from clawflow.judge import make_judge
 from clawflow.judge.stats import combine_reward, judge_stats

@@ -61,6 +61,38 @@ def test_candidates_are_the_greedy_reply_and_samples_scored_under_both_prompts(t
     assert [[c.tokens for c in cs] for cs in again] == [[c.tokens for c in cs] for cs in per_prompt]  # seeded
 
 
+def guided_greedy_reference(model, hinted: list[int], plain: list[int], gamma: float, eos: set[int]) -> list[int]:
+    """Token by token without a cache: argmax of (1 + γ) log p(·|hinted) − γ log p(·|plain)."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            lh = torch.log_softmax(model(input_ids=torch.tensor([hinted + out])).logits[0, -1].float(), -1)
+            lp = torch.log_softmax(model(input_ids=torch.tensor([plain + out])).logits[0, -1].float(), -1)
+            out.append(int(((1 + gamma) * lh - gamma * lp).argmax()))
+            if out[-1] in eos:
+                break
+    return out
+
+
+def test_guided_candidates_amplify_the_hint_and_are_scored_under_both_prompts(tiny):
+    model, tok, hinted, plain = tiny
+    eos = {tok.eos_token_id}
+    other = [{"role": "user", "content": "Describe the ocean at night, please, in some detail."}]
+    prompts = [(hinted, plain), (teacher_prompt_ids(tok, other, "Shorter.", in_system=True), encode(tok, other))]
+    per_prompt = sample_candidates(model, [h for h, _ in prompts], [p for _, p in prompts], 2, MAX_TOKENS, 1.0, eos,
+                                   0, seed=3, guidance=2.0)
+    unguided = sample_candidates(model, [h for h, _ in prompts], [p for _, p in prompts], 0, MAX_TOKENS, 1.0, eos,
+                                 0, seed=3)
+    changed = 0
+    for (h, p), cands, plain_greedy in zip(prompts, per_prompt, unguided):
+        assert cands[0].tokens == cut_at_eos(guided_greedy_reference(model, h, p, 2.0, eos), eos)
+        changed += cands[0].tokens != plain_greedy[0].tokens  # γ = 2 picks other tokens than the hinted policy
+        for c in cands:
+            assert c.hinted == pytest.approx(summed_logprob(model, h, c.tokens), abs=2e-3)
+            assert c.plain == pytest.approx(summed_logprob(model, p, c.tokens), abs=2e-3)
+    assert changed >= 1
+
+
 @pytest.mark.parametrize("select, usable, expected", [
     ("plain", [True, True, True], 2),
     ("plain", [True, True, False], 1),  # the best is not usable

@@ -45,6 +45,9 @@ class TrainConfig(_Strict):
     rewrite_samples: int = Field(0, ge=0)
     rewrite_temperature: float = Field(0.7, gt=0.0)
     rewrite_select: Literal["plain", "poe", "greedy"] = "plain"
+    # γ of classifier-free guidance while rewriting: log p_hinted + γ (log p_hinted − log p_plain)
+    # amplifies what the hint changes (train/rewrite.py `guided`); 0 = the hinted policy as it is.
+    rewrite_guidance: float = Field(0.0, ge=0.0)
     # `own`: each rewrite reads its turn's hint; `strongest`: every rewrite (and rehearsal) reads the
     # run's hint that changes the policy's answers most ("Answer in no more than 30 words." rather
     # than "That's way too long.", which a small model ignores): train/rewrite.py `hint_strength`

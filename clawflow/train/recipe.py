@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from clawflow.config import ConfigError, TrainConfig, load_config
-from clawflow.helpfulness import Question
 from clawflow.policy.logprobs import response_logprobs
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
@@ -49,15 +48,12 @@ from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
-from clawflow.train.rehearsal import load_rehearsal
-from clawflow.train.rewrite import (addresses, choose, eos_token_ids, generate_rewrites, hint_strength,
-                                    sample_candidates)
+from clawflow.train.rewrite import eos_token_ids, generate_rewrites
+from clawflow.train.rewrite_choice import best_of_n, strongest_hint, usable_rewrite
 from clawflow.train.scoring import cached, dummy_forward, score_items
-from clawflow.train.teacher import chat_prompt_ids, teacher_prompt_ids
+from clawflow.train.teacher import teacher_prompt_ids
 
 EXIT_INTERRUPTED = 75
-REWRITE_GROUP = 8  # prompts sampled together (each with 1 + train.rewrite_samples rows)
-HINT_PROBE_TOKENS = 48  # greedy tokens per probe question when hints are compared
 
 
 class Interrupted(Exception):
@@ -125,7 +121,7 @@ class Recipe:
             self.use_strongest_hint(model, missing, tok)
         if missing:
             t0 = time.monotonic()
-            if self.cfg.rewrite_samples:
+            if self.cfg.rewrite_samples or self.cfg.rewrite_guidance:
                 replies = self.best_of_n(model, missing, tok) if self.rank == 0 else []
             else:
                 replies = generate_rewrites(model, [it.teacher_prompt for it in missing], self.cfg.rewrite_max_tokens,
@@ -149,24 +145,13 @@ class Recipe:
         self.total_steps = len(self.plan) * self.cfg.epochs
 
     def use_strongest_hint(self, model, items: list[Item], tok) -> None:
-        """`train.rewrite_hints: strongest`: measure each distinct hint of the run by how unlikely it makes
-        the plain policy's greedy answers to a few rehearsal questions (train/rewrite.py `hint_strength`),
-        then rebuild every rewrite's prompt with the strongest one."""
+        """`train.rewrite_hints: strongest`: every rewrite's prompt rebuilt with the run's strongest hint
+        (train/rewrite_choice.py), measured on rank 0."""
         hints = sorted({it.hint.strip() for it in items if it.hint.strip()})
         if len(hints) < 2:
             return
         if self.rank == 0:
-            probes = [[{"role": "user", "content": q.prompt}] for q in load_rehearsal(self.cfg.rehearsal_prompts)[:4]]
-            in_system = self.cfg.rewrite_hint == "system"
-            plain = [chat_prompt_ids(tok, m) for m in probes]
-            answers = generate_rewrites(model, plain, HINT_PROBE_TOKENS, eos_token_ids(model), self.pad_id)
-            prompts = plain + [teacher_prompt_ids(tok, m, h, in_system=in_system) for h in hints for m in probes]
-            with torch.inference_mode():  # the plain answers under the plain prompt, then under each hint
-                lp = response_logprobs(model.eval(), prompts, answers * (1 + len(hints)), self.pad_id, self.device)
-            n = len(probes)
-            sums = [float(lp[i, : len(answers[i % n])].sum()) for i in range(len(prompts))]
-            strength = {h: hint_strength(sums[:n], sums[n * (k + 1) : n * (k + 2)]) for k, h in enumerate(hints)}
-            best = max(hints, key=lambda h: strength[h])
+            best, strength = strongest_hint(model, tok, hints, self.cfg, self.pad_id, self.device)
             self._log("clawflow.train: hint strengths " + json.dumps({h[:40]: round(v, 3) for h, v in strength.items()})
                       + f"; every rewrite reads {best!r}")
         best = D.broadcast_from_rank0(best if self.rank == 0 else None)
@@ -177,22 +162,11 @@ class Recipe:
                 it.teacher_prompt = teacher_prompt_ids(tok, it.messages, best, it.tools, in_system=in_system)
 
     def best_of_n(self, model, items: list[Item], tok) -> list[list[int]]:
-        """Per item, the usable candidate chosen by `train.rewrite_select` (train/rewrite.py), else the
-        greedy one (left out afterwards as unusable). Sampling is seeded by run seed and item."""
-        cfg, eos, chosen, usable_share = self.cfg, eos_token_ids(model), {}, []
-        ordered = sorted(items, key=lambda it: len(it.teacher_prompt))  # similar lengths pad less
-        for g in range(0, len(ordered), REWRITE_GROUP):
-            group = ordered[g : g + REWRITE_GROUP]
-            per_item = sample_candidates(model, [it.teacher_prompt for it in group], [it.prompt for it in group],
-                                         cfg.rewrite_samples, cfg.rewrite_max_tokens, cfg.rewrite_temperature, eos,
-                                         self.pad_id, seed=cfg.seed * 100_003 + group[0].index)
-            for it, cands in zip(group, per_item):
-                ok = [usable_rewrite(it, c.tokens, tok.decode(c.tokens, skip_special_tokens=True), eos) for c in cands]
-                k = choose(cands, ok, cfg.rewrite_select)
-                usable_share.append(sum(ok) / len(ok))
-                chosen[it.index] = cands[0 if k is None else k].tokens
-        self._log(f"clawflow.train: best of {1 + cfg.rewrite_samples} rewrites by {cfg.rewrite_select!r}: "
-                  f"{sum(usable_share) / len(usable_share):.2f} of the candidates usable")
+        cfg = self.cfg
+        chosen, usable = best_of_n(model, tok, items, cfg, self.pad_id)
+        guided = f" with guidance {cfg.rewrite_guidance}" if cfg.rewrite_guidance else ""
+        self._log(f"clawflow.train: best of {1 + cfg.rewrite_samples} rewrites by {cfg.rewrite_select!r}{guided}: "
+                  f"{usable:.2f} of the candidates usable")
         return [chosen[it.index] for it in items]
 
     def _on_sigterm(self, *_) -> None:
@@ -351,14 +325,6 @@ class Recipe:
     def _log(self, line: str) -> None:
         if self.rank == 0:
             print(line, flush=True)
-
-
-def usable_rewrite(it: Item, tokens: list[int], text: str, eos: set[int]) -> bool:
-    """A rewrite (`tokens`, decoded `text`) is learned only if it says something, still answers the
-    request (train/rewrite.py) and, for a rehearsal question, still states its key fact (train/rehearsal.py)."""
-    if not any(t not in eos for t in tokens) or not addresses(it.request, text):
-        return False
-    return not it.facts or Question(it.request, list(it.facts)).stated_in(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,11 +103,21 @@ def _prefill(model, prompts: list[list[int]], rows: int, pad_id: int, device):
             pos[:, -1].repeat_interleave(rows) + 1)
 
 
+def guided(logp_hinted: torch.Tensor, logp_plain: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Log-scores of the next token with the hint's effect amplified: log p_h + γ (log p_h − log p_p)
+    (classifier-free guidance, Sanchez et al. 2023, "Stay on topic with classifier-free guidance").
+    γ = 0 is the hinted policy itself. A 135M model follows a user's correction only weakly ("Shorter
+    please: 30 words at most." in the system message: 0.06 of replies ≤ 30 words); γ = 1 amplifies
+    what the hint does change (0.38), with the hint's own direction, for any kind of preference. Pure."""
+    return logp_hinted + guidance * (logp_hinted - logp_plain) if guidance else logp_hinted
+
+
 def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: list[list[int]], n: int,
                       max_new_tokens: int, temperature: float, eos_ids: set[int], pad_id: int,
-                      seed: int) -> list[list[Candidate]]:
+                      seed: int, guidance: float = 0.0) -> list[list[Candidate]]:
     """Per prompt, the greedy reply and `n` sampled ones to its hinted prompt, each scored under both
-    its hinted and its plain prompt.
+    its hinted and its plain prompt. With `guidance` γ > 0 the tokens are chosen by `guided` scores:
+    the plain prompt is decoded in lockstep (two forwards per step), which also scores the replies.
 
     Each prompt is prefilled once and its KV cache repeated for its 1 + n rows, so a long agent
     prompt (OpenClaw sends ~8k tokens) costs one prefill, not 1 + n; prompts are batched with left
@@ -122,6 +132,13 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
     greedy_row = (torch.arange(k * rows, device=device) % rows) == 0
     was_training = model.training
     model.eval()
+    if guidance:
+        with torch.inference_mode():
+            cands = _guided_candidates(model, teacher_prompts, plain_prompts, rows, max_new_tokens, temperature,
+                                       eos, eos_ids, pad_id, gen, greedy_row, guidance, device)
+        if was_training:
+            model.train()
+        return [cands[i * rows : (i + 1) * rows] for i in range(k)]
     with torch.inference_mode():
         logits, cache, mask, pos = _prefill(model, teacher_prompts, rows, pad_id, device)
         tokens = torch.empty(k * rows, 0, dtype=torch.long, device=device)
@@ -203,3 +220,36 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
         eos = getattr(src, "eos_token_id", None) if src is not None else None
         ids.update(e for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
     return ids
+
+
+def _guided_candidates(model, teacher_prompts, plain_prompts, rows, max_new_tokens, temperature, eos, eos_ids,
+                       pad_id, gen, greedy_row, guidance, device) -> list[Candidate]:
+    """`sample_candidates` with guidance: both prompts decoded in lockstep, one token stream."""
+    import torch.nn.functional as F
+
+    streams = [list(_prefill(model, p, rows, pad_id, device)) for p in (teacher_prompts, plain_prompts)]
+    total = streams[0][0].shape[0]
+    tokens = torch.empty(total, 0, dtype=torch.long, device=device)
+    scores = torch.zeros(2, total, device=device)  # summed logprobs under (hinted, plain)
+    done = torch.zeros(total, dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        logp = [F.log_softmax(s[0], -1) for s in streams]
+        score = guided(logp[0], logp[1], guidance)
+        greedy = score.argmax(-1)
+        nxt = torch.where(greedy_row, greedy,
+                          torch.multinomial(F.softmax(score / temperature, -1), 1, generator=gen)[:, 0])
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        for j in range(2):
+            scores[j] += torch.where(done, 0.0, logp[j].gather(-1, nxt[:, None])[:, 0])
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        done |= torch.isin(nxt, eos)
+        if bool(done.all()):
+            break
+        for s in streams:  # [logits, cache, mask, pos]
+            s[2] = torch.cat([s[2], torch.ones_like(s[2][:, :1])], 1)
+            s[0] = model(input_ids=nxt[:, None], attention_mask=s[2], position_ids=s[3][:, None], cache=s[1],
+                         use_cache=True).logits[:, -1].float()
+            s[3] = s[3] + 1
+    replies = [cut_at_eos(r, eos_ids) for r in tokens.tolist()]
+    return [Candidate(r, float(h), float(p)) for r, h, p in zip(replies, scores[0].tolist(), scores[1].tolist())]
+
