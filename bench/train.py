@@ -1,7 +1,8 @@
 """One training step on SmolLM2-135M: clawflow's recipe vs TRL's GRPOTrainer vs a plain HF step.
 
 Same model, same batch (2 prompts x 4 completions, 64 prompt + 192 completion tokens, rewards
-+1/-1 normalized per group), fp32 on CPU, side by side in one run. Each contender does one
++1/-1 normalized per group), fp32 on CPU, side by side in one run; `clawflow-bf16` is the same
+recipe under `train.autocast: bfloat16` (bf16 matmuls, fp32 weights), its MFU against the bf16 peak. Each contender does one
 warm-up step and then `--steps` timed optimizer steps; the median is reported.
 
 - clawflow: `clawflow.train.recipe.Recipe` itself (1-rank process group, its own step loop:
@@ -68,7 +69,7 @@ def flops_of(model, tokens: int, context: float, logit_tokens: int) -> float:
 Timing = list[tuple[float, float]]  # (wall seconds, CPU seconds) per timed step
 
 
-def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing:
+def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path, autocast: str = "off") -> Timing:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
@@ -84,7 +85,7 @@ def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing
     pq.write_table(pa.Table.from_pylist(rows), tmp / "samples.parquet")
     raw = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
     raw["train"] = {"lr": 1e-6, "epochs": steps + 1, "micro_batch": len(rows), "objective": "rl",
-                    "tis_cap": None, "resume_every": 0, "keep_optimizer": False}
+                    "tis_cap": None, "resume_every": 0, "keep_optimizer": False, "autocast": autocast}
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
     cfg = load_config(tmp / "cfg.yaml").train
     with socket.socket() as s:
@@ -162,10 +163,13 @@ def bench_hf(model_dir: str, batch: dict, steps: int) -> Timing:
     return seconds[1:]
 
 
+CONTENDERS = ["clawflow", "clawflow-bf16", "trl", "hf"]  # clawflow-bf16: train.autocast bfloat16 (CPU)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="timed steps per contender (after one warm-up)")
-    p.add_argument("--only", choices=["clawflow", "trl", "hf"], action="append")
+    p.add_argument("--only", choices=CONTENDERS, action="append")
     args = p.parse_args()
     model_dir = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
     from transformers import AutoModelForCausalLM
@@ -176,30 +180,37 @@ def main() -> None:
     tokens = B * L
     logit_tokens = {"clawflow": B * (COMPLETION_LEN + 1), "trl": B * COMPLETION_LEN, "hf": B * L}
     flops = {k: flops_of(ref, tokens, L, n) for k, n in logit_tokens.items()}
+    flops["clawflow-bf16"] = flops["clawflow"]
     del ref
     threads = torch.get_num_threads()
     peak = max(matmul_peak_flops("cpu", torch.float32, n, seconds=2.0) for n in (1024, 2048))
     peak_cpu = max(matmul_peak_flops("cpu", torch.float32, n, 2.0, time.process_time) for n in (1024, 2048))
+    bf16_peak = max(matmul_peak_flops("cpu", torch.bfloat16, n, seconds=2.0) for n in (1024, 2048))
+    bf16_peak_cpu = max(matmul_peak_flops("cpu", torch.bfloat16, n, 2.0, time.process_time) for n in (1024, 2048))
     print(f"model {model_dir}, batch {B} x ({PROMPT_LEN} + {COMPLETION_LEN}) = {tokens} tokens, {threads} threads, "
-          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s wall, {peak_cpu * threads / 1e9:.1f} by CPU time", flush=True)
+          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s wall, {peak_cpu * threads / 1e9:.1f} by CPU time; "
+          f"bf16 {bf16_peak / 1e9:.1f} / {bf16_peak_cpu * threads / 1e9:.1f} (MFU of clawflow-bf16 is against it)",
+          flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as d:
-        for name in args.only or ["clawflow", "trl", "hf"]:
+        for name in args.only or CONTENDERS:
             tmp = Path(d) / name
             tmp.mkdir()
             fn = {"clawflow": lambda: bench_clawflow(model_dir, batch, args.steps, tmp),
+                  "clawflow-bf16": lambda: bench_clawflow(model_dir, batch, args.steps, tmp, "bfloat16"),
                   "trl": lambda: bench_trl(model_dir, batch, args.steps, tmp),
                   "hf": lambda: bench_hf(model_dir, batch, args.steps)}[name]
             timing = fn()
             results[name] = (statistics.median(w for w, _ in timing), statistics.median(c for _, c in timing))
             print(f"  {name:9s} steps (wall s / cpu s) " + ", ".join(f"{w:.2f}/{c:.2f}" for w, c in timing), flush=True)
-    print(f"\n{'contender':10s} {'wall s':>7s} {'tok/s':>7s} {'MFU':>6s} {'vs TRL':>7s} | "
+    print(f"\n{'contender':13s} {'wall s':>7s} {'tok/s':>7s} {'MFU':>6s} {'vs TRL':>7s} | "
           f"{'cpu s':>7s} {'tok/s*':>7s} {'MFU*':>6s} {'vs TRL*':>7s}   (* by CPU time)")
     for name, (wall, cpu) in results.items():
         vs = f"{results['trl'][0] / wall:6.2f}x" if "trl" in results else "-"
         vs_cpu = f"{results['trl'][1] / cpu:6.2f}x" if "trl" in results else "-"
-        print(f"{name:10s} {wall:7.2f} {tokens / wall:7.1f} {flops[name] / wall / peak:6.1%} {vs:>7s} | "
-              f"{cpu:7.2f} {tokens * threads / cpu:7.1f} {flops[name] / cpu / peak_cpu:6.1%} {vs_cpu:>7s}")
+        pw, pc = (bf16_peak, bf16_peak_cpu) if name.endswith("bf16") else (peak, peak_cpu)
+        print(f"{name:13s} {wall:7.2f} {tokens / wall:7.1f} {flops[name] / wall / pw:6.1%} {vs:>7s} | "
+              f"{cpu:7.2f} {tokens * threads / cpu:7.1f} {flops[name] / cpu / pc:6.1%} {vs_cpu:>7s}")
 
 
 if __name__ == "__main__":

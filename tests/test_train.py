@@ -150,6 +150,23 @@ def test_training_moves_logprobs_the_way_of_the_reward(base, batch, trained):
         assert (new - old) * row["reward"] > 0, (row["reward"], old, new)
 
 
+def test_bf16_autocast_run_takes_the_fp32_steps_within_rounding(base, batch, trained, home):
+    out, metrics, _ = train(home, base, batch[0], "bf16", autocast="bfloat16")
+    assert metrics["bf16_autocast"] == 1.0 and trained[1]["bf16_autocast"] == 0.0
+    assert metrics["steps"] == trained[1]["steps"]
+    for a, b in zip(metrics["per_step"], trained[1]["per_step"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=0.05) and a["loss"] != b["loss"]  # bf16 matmuls ran
+    first = metrics["per_step"][0]
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # pi_old is the bf16 forward itself
+    assert metrics["per_step"][1]["ratio_mean"] == pytest.approx(trained[1]["per_step"][1]["ratio_mean"], abs=0.02)
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.float32
+    assert "clawflow.train: bf16 autocast" in (out.parent / "bf16.log").read_text()
+    assert json.loads((out / "train_metrics.json").read_text())["bf16_autocast"] == 1.0
+
+
 def test_two_ranks_match_one_process(base, batch, trained, home):
     """torchrun --nproc_per_node=2: FSDP2 (fully_shard per layer, then the root, gloo), one sample
     per rank, takes the same steps as one process on the whole batch. Activation checkpointing on

@@ -74,7 +74,10 @@ class TrainConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "constant"
     activation_checkpointing: bool = False
-    mixed_precision: bool = True  # GPU: bf16 compute, fp32 weights and reductions; CPU trains fp32
+    mixed_precision: bool = True  # GPU: bf16 compute, fp32 weights and reductions
+    # CPU: bf16 autocast (fp32 weights) where a start-up probe finds a training step clearly faster
+    # (train/precision.py); `bfloat16` or `off` skip the probe
+    autocast: Literal["auto", "bfloat16", "off"] = "auto"
     lora: LoraSpec | None = None
     resume_every: int = Field(20, ge=0)  # steps between resumable states; 0 = only when interrupted
     keep_optimizer: bool = True  # save AdamW state with the checkpoint; the next run continues it

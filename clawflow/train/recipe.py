@@ -42,7 +42,7 @@ from clawflow.config import ConfigError, TrainConfig, load_config
 from clawflow.policy.logprobs import response_logprobs
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
-from clawflow.train import optim
+from clawflow.train import optim, precision
 from clawflow.train.flops import matmul_peak_flops, param_counts, peak_memory_mb, train_flops
 from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
@@ -89,6 +89,13 @@ class Recipe:
         if resume:
             self.cache = ckpt.load_cache(self.out, self.rank)
         self.rewrite(model.to(self.device))
+        bf16, speedup = precision.choose(cfg.autocast, model, self.device) if self.rank == 0 else (False, None)
+        self.bf16 = bool(D.broadcast_from_rank0(bf16))  # every rank computes the same way
+        if self.bf16:
+            self._log("clawflow.train: bf16 autocast" + (f" (a training step {speedup:.2f}x faster than fp32)"
+                                                         if speedup else " (train.autocast: bfloat16)"))
+        elif speedup:
+            self._log(f"clawflow.train: fp32 (bf16 autocast only {speedup:.2f}x faster here)")
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -102,7 +109,8 @@ class Recipe:
             self.scheduler.load_state_dict(resume["scheduler"])
             self.start_step, self.history = resume["step"], resume["history"]
             self._log(f"clawflow.train: resuming at step {self.start_step + 1} from {ckpt.resume_dir(self.out)}")
-        peak_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.mixed_precision else torch.float32
+        peak_dtype = torch.bfloat16 if self.bf16 or (self.device.type == "cuda" and cfg.mixed_precision) \
+            else torch.float32
         self.peak = cfg.peak_flops or matmul_peak_flops(self.device, peak_dtype, seconds=0.5)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -183,16 +191,17 @@ class Recipe:
         score = partial(score_items, items=self.items, micro_batch=self.cfg.micro_batch, pad_id=self.pad_id,
                         device=self.device)
         self.model.eval()
-        self.cache["old"] = score(self.model, todo=[i for i in mine if i not in first], hinted=False)
-        base = self._frozen_base() if (self.objective.needs_teacher and self.cfg.teacher == "base") \
-            or self.cfg.kl_beta else None
-        if self.objective.needs_teacher:
-            hinted = [i for i in mine if self.items[i].teacher_prompt]
-            by_base = self.cfg.teacher == "base"
-            self.cache["teacher"] = score(base if by_base else self.model, todo=hinted, hinted=True,
-                                          adapter_off=by_base and lora)
-        if self.cfg.kl_beta:
-            self.cache["ref"] = score(base, todo=mine, hinted=False, adapter_off=lora)
+        with precision.autocast(self.bf16):  # as the training forward computes them
+            self.cache["old"] = score(self.model, todo=[i for i in mine if i not in first], hinted=False)
+            base = self._frozen_base() if (self.objective.needs_teacher and self.cfg.teacher == "base") \
+                or self.cfg.kl_beta else None
+            if self.objective.needs_teacher:
+                hinted = [i for i in mine if self.items[i].teacher_prompt]
+                by_base = self.cfg.teacher == "base"
+                self.cache["teacher"] = score(base if by_base else self.model, todo=hinted, hinted=True,
+                                              adapter_off=by_base and lora)
+            if self.cfg.kl_beta:
+                self.cache["ref"] = score(base, todo=mine, hinted=False, adapter_off=lora)
         self.model.train()
 
     def _frozen_base(self):
@@ -209,8 +218,9 @@ class Recipe:
     def loss_step(self, b: dict, denominator: float) -> dict[str, float]:
         """Forward and backward one micro-batch; returns its summed stats."""
         its = b["items"]
-        lp = response_logprobs(self.model, [it.prompt for it in its], [it.response for it in its], self.pad_id,
-                               self.device)  # [B, R]
+        with precision.autocast(self.bf16):
+            lp = response_logprobs(self.model, [it.prompt for it in its], [it.response for it in its], self.pad_id,
+                                   self.device)  # [B, R]
         old = cached(self.cache["old"], its, lp)  # first step: the forward itself is pi_old
         for row, it in enumerate(its):
             self.cache["old"].setdefault(it.index, old[row, : len(it.response)].clone())
@@ -309,7 +319,8 @@ class Recipe:
             self._write_weights(tmp, state)
             totals = {"steps": len(self.history), "samples": self.counts["samples"], "trainable": len(self.items),
                       "tokens": sum(r["n_tokens"] for r in self.history), "world_size": self.world,
-                      "seconds": round(time.monotonic() - self.started, 3), "peak_flops": self.peak}
+                      "seconds": round(time.monotonic() - self.started, 3), "peak_flops": self.peak,
+                      "bf16_autocast": float(self.bf16)}
             meta = {"parent_version": self.args.parent_version, "base": str(self.base_dir),
                     "lora": self.cfg.lora is not None, "objective": self.cfg.objective, "teacher": self.cfg.teacher,
                     "turns_consumed": len(self.turn_ids), "turn_ids": self.turn_ids, "counts": self.counts}
