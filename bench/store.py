@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clawflow.store.catalog import Catalog  # noqa: E402
-from clawflow.store.record import ARROW_SCHEMA, TurnRecord  # noqa: E402
+from clawflow.contracts.turn import ARROW_SCHEMA, TurnRecord  # noqa: E402
 from clawflow.store.shards import write_shard  # noqa: E402
 from clawflow.store.wal import SegmentWriter  # noqa: E402
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from clawflow.contracts import env_reward, judgment, sample
+from clawflow.contracts import env_reward, judgment, sample, turn
 from clawflow.contracts import (
     EnvReward, Judged, JudgmentRow, Pair, Sample, read_env_rewards, read_judgments, read_samples, write_env_rewards,
     write_judgments, write_samples,
 )
 from clawflow.feedback import training_samples
 from clawflow.home import Home
-from clawflow.store.record import TurnRecord
+from clawflow.contracts.turn import TurnRecord
 from clawflow.store.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +35,17 @@ FORMATS = {
                      "created_at:timestamp[us, tz=UTC]",
     env_reward.SCHEMA: "session_id:string turn_index:int32 response_text:string env_reward:double source:string "
                        "created_at:timestamp[us, tz=UTC]",
+    # schema v2; a new version adds columns (and an upgrade of older shards) in clawflow/contracts/turn.py
+    turn.ARROW_SCHEMA: "turn_id:string session_id:string turn_index:int32 turn_type:string source:string "
+                       "group_id:string created_at:timestamp[us, tz=UTC] policy_version:int64 messages:string "
+                       "tools:string prompt_token_ids:list<item: int32> response_token_ids:list<item: int32> "
+                       "response_logprobs:list<item: float> response_text:string tool_calls:string "
+                       "finish_reason:string new_messages:string session_done:bool env_reward:double "
+                       "prompt_tokens:int32 response_tokens:int32",
 }
 
 
-@pytest.mark.parametrize("schema", list(FORMATS), ids=["sample", "judgment", "env_reward"])
+@pytest.mark.parametrize("schema", list(FORMATS), ids=["sample", "judgment", "env_reward", "turn"])
 def test_file_formats_unchanged(schema):
     assert " ".join(f"{f.name}:{f.type}" for f in schema) == FORMATS[schema]
 

@@ -22,7 +22,7 @@ from clawflow.feedback import judge_pairs, training_samples
 from clawflow.judge import RuleJudge
 from clawflow.judge.stats import combine_reward
 from clawflow.store.catalog import Catalog
-from clawflow.store.record import TurnRecord
+from clawflow.contracts.turn import TurnRecord
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
 from _store_helpers import pending_pairs

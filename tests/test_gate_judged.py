@@ -18,7 +18,7 @@ from clawflow.judge.store import JudgmentStore
 from clawflow.policy.gate import evaluate, judged_margins, judged_verdict
 from clawflow.policy.holdout import held_out_turns, in_holdout, split_holdout
 from clawflow.store.catalog import Catalog
-from clawflow.store.record import TurnRecord
+from clawflow.contracts.turn import TurnRecord
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,8 @@ import pytest
 from clawflow.config import StoreConfig
 from clawflow.events import SHARD_SEALED
 from clawflow.store.catalog import Catalog
-from clawflow.store.record import ARROW_SCHEMA, SCHEMA_VERSION, TurnRecord
+from clawflow.contracts.pair import Pair
+from clawflow.contracts.turn import ARROW_SCHEMA, SCHEMA_VERSION, TurnRecord
 from clawflow.store.sealer import Sealer, open_store, seal_segment
 from clawflow.store.wal import SegmentWriter, closed_segments, read_segment
 from _store_helpers import pending_pairs
@@ -262,24 +264,25 @@ def catalog(tmp_path) -> Catalog:
 
 def test_pending_pairs_join_turn_with_next_state(catalog):
     pairs = pending_pairs(catalog, 10)
-    assert [(p["session_id"], p["turn_index"]) for p in pairs] == [("a", 0), ("b", 1), ("a", 1)]
-    by_key = {(p["session_id"], p["turn_index"]): p for p in pairs}
-    assert json.loads(by_key["a", 0]["next_state"]) == user("thanks, now add 2")
-    assert by_key["a", 0]["next_role"] == "user"
-    assert json.loads(by_key["a", 1]["next_state"])[0]["content"] == "42"
-    assert by_key["a", 1]["next_role"] == "tool"
-    assert json.loads(by_key["b", 1]["next_state"]) == user("earliest")
-    assert set(ARROW_SCHEMA.names) <= set(pairs[0]) and pairs[0]["prompt_token_ids"] == [1, 2, 3]
-    assert pairs[0]["created_at"] == T0
-    assert [p["turn_index"] for p in pending_pairs(catalog, 1)] == [0]
+    assert [(p.session_id, p.turn_index) for p in pairs] == [("a", 0), ("b", 1), ("a", 1)]
+    by_key = {(p.session_id, p.turn_index): p for p in pairs}
+    assert json.loads(by_key["a", 0].next_state) == user("thanks, now add 2")
+    assert by_key["a", 0].next_role == "user"
+    assert json.loads(by_key["a", 1].next_state)[0]["content"] == "42"
+    assert by_key["a", 1].next_role == "tool"
+    assert json.loads(by_key["b", 1].next_state) == user("earliest")
+    turn_fields = {f.name for f in dataclasses.fields(Pair)} - {"next_state", "next_role"}
+    assert turn_fields <= set(ARROW_SCHEMA.names) and pairs[0].prompt_token_ids == [1, 2, 3]  # read from the shard
+    assert pairs[0].created_at == T0
+    assert [p.turn_index for p in pending_pairs(catalog, 1)] == [0]
 
 
 def test_commit_consumed_is_exactly_once(catalog):
     pairs = pending_pairs(catalog, 2)
-    ids = [p["turn_id"] for p in pairs]
+    ids = [p.turn_id for p in pairs]
     assert catalog.commit_consumed(ids, "run-1", 3) == 2
     left = pending_pairs(catalog, 10)
-    assert len(left) == 1 and not set(ids) & {p["turn_id"] for p in left}
+    assert len(left) == 1 and not set(ids) & {p.turn_id for p in left}
     assert catalog.commit_consumed(ids, "run-1", 3) == 0  # a retried run records nothing twice
     stats = catalog.stats()
     assert stats["shards"] == 2 and stats["turns"] == 7

@@ -19,7 +19,7 @@ from clawflow.envs.rewards import read_env_rewards, write_env_rewards
 from clawflow.judge.store import JudgmentStore
 from clawflow.store import outbox
 from clawflow.store.catalog import Catalog
-from clawflow.store.record import TurnRecord
+from clawflow.contracts.turn import TurnRecord
 from clawflow.store.sealer import open_store
 from clawflow.store.storage import SHA_KEY, ChecksumMismatch, ObjectExists, Storage
 from _store_helpers import pending_pairs

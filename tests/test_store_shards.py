@@ -20,7 +20,7 @@ from clawflow.store import journal
 from clawflow.store.catalog import Catalog
 from clawflow.store.maintenance import apply_retention, compact
 from clawflow.store.metrics import STORE
-from clawflow.store.record import ARROW_SCHEMA, SCHEMA_VERSION, TurnRecord
+from clawflow.contracts.turn import ARROW_SCHEMA, SCHEMA_VERSION, TurnRecord
 from clawflow.store.sealer import seal_segment
 from clawflow.store.shards import read_shard
 from clawflow.store.wal import SegmentWriter, read_segment

@@ -3,7 +3,7 @@
 Built by the catalog (clawflow/store/queries.py `batch`) from the turn's shard row and the row of
 the turn after it; read by the judge's input builder and by the training-sample builder
 (clawflow/feedback.py). In memory only (a flow passes it between tasks): the turn's own columns
-keep the shard's encoding (JSON fields as text), documented in clawflow/store/record.py.
+keep the shard's encoding (JSON fields as text), documented in clawflow/contracts/turn.py.
 """
 
 from __future__ import annotations

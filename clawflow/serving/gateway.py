@@ -18,7 +18,7 @@ from clawflow.serving.generation import Generation, SamplingParams
 from clawflow.serving.protocol import ChatCompletionRequest, completion_id, now
 from clawflow.serving.sessions import SessionTracker, split_new_messages
 from clawflow.serving.toolcalls import TOOL_CALL_OPEN, parse_tool_calls
-from clawflow.store.record import TurnRecord
+from clawflow.contracts.turn import TurnRecord
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
 

@@ -41,7 +41,7 @@ from clawflow.home import Home
 from clawflow.store import journal, queries
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
-from clawflow.store.record import sql_columns
+from clawflow.contracts.turn import sql_columns
 from clawflow.store.shards import CorruptShard, FutureShard, inspect_shard, quarantine, shard_bytes, shard_files
 from clawflow.store.storage import ChecksumMismatch, Storage
 from clawflow.store.tombstones import forgotten, load_tombstones

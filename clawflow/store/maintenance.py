@@ -30,7 +30,7 @@ from clawflow.store import journal
 from clawflow.home import Home
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
-from clawflow.store.record import ARROW_SCHEMA, upgrade_table
+from clawflow.contracts.turn import ARROW_SCHEMA, upgrade_table
 from clawflow.store.shards import read_shard, shard_bytes, stage_parquet, write_shard
 from clawflow.store.wal import fsync_dir
 

@@ -35,7 +35,7 @@ from clawflow.home import Home
 from clawflow.store.catalog import Catalog
 from clawflow.store.locks import store_lock
 from clawflow.store.maintenance import rewrite_without
-from clawflow.store.record import ARROW_SCHEMA, JSON_FIELDS
+from clawflow.contracts.turn import ARROW_SCHEMA, JSON_FIELDS
 from clawflow.store.shards import TMP_SUFFIX, write_parquet_atomic
 from clawflow.store.storage import Storage
 from clawflow.store.tombstones import add_tombstone

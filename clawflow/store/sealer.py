@@ -29,7 +29,7 @@ from clawflow.store import journal
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
 from clawflow.store.outbox import outbox_dir, publish
-from clawflow.store.record import rows_to_table
+from clawflow.contracts.turn import rows_to_table
 from clawflow.store.shards import remove_stale_temps, write_shard
 from clawflow.store.storage import Storage, replica_id
 from clawflow.store.tombstones import forgotten, load_tombstones

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from clawflow.home import Home
 from clawflow.store.metrics import STORE
-from clawflow.store.record import ARROW_SCHEMA, SCHEMA_VERSION, schema_version, upgrade_table
+from clawflow.contracts.turn import ARROW_SCHEMA, SCHEMA_VERSION, schema_version, upgrade_table
 from clawflow.store.wal import fsync_dir
 
 log = logging.getLogger("clawflow.store.shards")

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from clawflow.store.record import TurnRecord
+from clawflow.contracts.turn import TurnRecord
 
 log = logging.getLogger("clawflow.store.wal")
 
