@@ -188,16 +188,16 @@ def test_episodes_through_gateway_become_pairs_with_next_states(make_config):
     pairs = pending_pairs(Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards"), 100)
     by_session = {}
     for p in pairs:
-        by_session.setdefault(p["session_id"], []).append(p)
+        by_session.setdefault(p.session_id, []).append(p)
     assert set(by_session) == {r.session_id for r in persona}  # terminal episodes: no tool call, no pair
     for session, ps in by_session.items():
-        assert {p["source"] for p in ps} == {"persona"}
-        assert sorted(p["turn_index"] for p in ps) == [0, 0, 1]  # turn 0 is a group of 2 choices
-        assert {p["next_role"] for p in ps} == {"user"}
-        first = [p for p in ps if p["turn_index"] == 0]
-        assert first[0]["group_id"] and first[0]["group_id"] == first[1]["group_id"]
-        second = next(p for p in ps if p["turn_index"] == 1)
-        feedback_text = json.loads(second["next_state"])[0]["content"]
+        assert {p.source for p in ps} == {"persona"}
+        assert sorted(p.turn_index for p in ps) == [0, 0, 1]  # turn 0 is a group of 2 choices
+        assert {p.next_role for p in ps} == {"user"}
+        first = [p for p in ps if p.turn_index == 0]
+        assert first[0].group_id and first[0].group_id == first[1].group_id
+        second = next(p for p in ps if p.turn_index == 1)
+        feedback_text = json.loads(second.next_state)[0]["content"]
         assert feedback_text  # the persona's words, recorded as the turn's next state
     # Outcome rewards beside the turns: each group member scored, each episode's outcome.
     rows = read_env_rewards(cfg.home)
@@ -207,10 +207,10 @@ def test_episodes_through_gateway_become_pairs_with_next_states(make_config):
         assert all(0.0 <= x["env_reward"] <= 1.0 and x["source"] == "persona" for x in mine)
         # The catalog joins them onto the pairs: each group member its own check, turn 1 the outcome.
         for p in by_session[r.session_id]:
-            own = {x["env_reward"] for x in mine if x["turn_index"] == p["turn_index"]
-                   and x["response_text"] == p["response_text"]}
+            own = {x["env_reward"] for x in mine if x["turn_index"] == p.turn_index
+                   and x["response_text"] == p.response_text}
             expected = own or {x["env_reward"] for x in mine if x["turn_index"] == 2}
-            assert len(expected) == 1 and p["env_reward"] == expected.pop()
+            assert len(expected) == 1 and p.env_reward == expected.pop()
     terminal = [x for x in rows if x["source"] == "terminal"]
     assert len(terminal) == 2 and all(x["env_reward"] == 0.0 for x in terminal)
     totals = Totals()

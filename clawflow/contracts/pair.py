@@ -32,6 +32,7 @@ class Pair:
     tools: str | None = None  # JSON or null
     tool_calls: str | None = None  # JSON or null
     group_id: str | None = None  # samples of one prompt (n > 1): GRPO normalization
+    source: str | None = None  # "live" or the environment's name
     policy_version: int | None = None
     env_reward: float | None = None  # the environment's outcome, when one was recorded
     created_at: datetime | None = None
