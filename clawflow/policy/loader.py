@@ -14,6 +14,7 @@ Torch, transformers and peft are imported inside the function: importing this mo
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,18 @@ def weights_dir(path: str | Path) -> Path:
     """The directory holding the full weights (and the tokenizer) of `path`: an adapter's base, else `path`."""
     path = Path(path)
     return adapter_base(path) if is_adapter(path) else path
+
+
+def tokenizer_for(path: str | Path):
+    """The tokenizer of the policy at `path` (an adapter's: its base's), loaded once per process."""
+    return _tokenizer(str(weights_dir(path).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def load_policy(path: str | Path, dtype: Any = None, *, merge: bool = True, trainable: bool = False,

@@ -119,11 +119,9 @@ def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int) -
     objective = Objective.from_config(cfg)
     tokenizer = None
     if objective.uses_hints and any(s.hint for s in samples):  # the base's chat template
-        from transformers import AutoTokenizer
+        from clawflow.policy.loader import tokenizer_for
 
-        from clawflow.policy.loader import weights_dir
-
-        tokenizer = AutoTokenizer.from_pretrained(weights_dir(base))
+        tokenizer = tokenizer_for(base)
     items, counts = prepare_items(cfg, objective, samples, tokenizer, parent_version)
     if not items:
         raise InputError(f"no trainable samples in {batch}: {len(samples)} rows, none with a non-zero advantage "

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from clawflow.config import ConfigError, TrainConfig, load_config
+from clawflow.policy.loader import load_policy as load_full_policy
+from clawflow.policy.loader import tokenizer_for
 from clawflow.policy.logprobs import response_logprobs
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
@@ -122,9 +124,7 @@ class Recipe:
             return
         done = self.cache.setdefault("rewrite", {})
         missing = [it for it in todo if it.index not in done]
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(self.base_dir)
+        tok = tokenizer_for(self.base_dir)  # the one the plan used (train/plan.py), not loaded again
         if missing and self.cfg.rewrite_hints == "strongest":
             self.use_strongest_hint(model, missing, tok)
         if missing:
@@ -208,10 +208,8 @@ class Recipe:
         """The frozen base: the policy itself with its adapter switched off (LoRA), else loaded and sharded."""
         if self.cfg.lora is not None:
             return self.model
-        from transformers import AutoModelForCausalLM
-
         path = self.args.frozen_base or self.base_dir
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        model = load_full_policy(path, torch.float32).to(self.device).eval()
         return D.shard_model(model, self.world, self.device, self.cfg.mixed_precision)
 
     # -- one step --------------------------------------------------------------------------------
