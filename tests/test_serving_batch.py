@@ -40,6 +40,48 @@ def test_batched_engine_matches_a_forward_pass_per_request(tiny_model_dir):
         engine.close()
 
 
+def a_tokens_during_a_long_prefill(model_dir: str, chunk: int) -> tuple[int, list[int], list[float], list[int]]:
+    """Stream A decodes; a long prompt B arrives. (A's tokens between B's submission and B's first
+    token, B's prompt, B's logprobs, B's tokens)."""
+    engine = TorchEngine(model_dir, max_batch=4, max_queue=4, prefix_cache_tokens=0, prefill_chunk_tokens=chunk)
+    events, lock, started = [], threading.Lock(), threading.Event()
+
+    def note(name):
+        def on_token(*_):
+            with lock:
+                events.append(name)
+            started.set()
+            return True
+        return on_token
+
+    try:
+        a = engine.submit(engine.encode_chat([{"role": "user", "content": "hi"}]),
+                          SamplingParams(max_new_tokens=80, temperature=1.0, seed=1), note("A"))
+        assert started.wait(60)
+        long_prompt = engine.encode_chat([{"role": "user", "content": "word " * 200}])
+        with lock:
+            events.append("submit B")
+        b = engine.submit(long_prompt, SamplingParams(max_new_tokens=3, seed=2), note("B"))
+        gen_b = b.result(timeout=120)
+        a.result(timeout=120)
+    finally:
+        engine.close()
+    between = events[events.index("submit B"):events.index("B")]
+    return between.count("A"), long_prompt, gen_b.logprobs, gen_b.token_ids
+
+
+def test_chunked_prefill_keeps_other_streams_decoding_and_is_exact(tiny_model_dir):
+    """serving.prefill_chunk_tokens: a long prompt is prefilled a chunk per loop iteration, and the
+    running stream decodes a token between chunks; the whole-prompt prefill stalls it. The chunked
+    prompt's first token (sampled after its last chunk) and the rest match a plain forward pass."""
+    chunked, prompt, logprobs, ids = a_tokens_during_a_long_prefill(tiny_model_dir, 16)
+    chunks = -(-len(prompt) // 16)
+    assert len(prompt) > 150 and chunked >= chunks - 2, (chunked, chunks)
+    assert close(logprobs, logprobs_under(tiny_model_dir, prompt, ids), 1e-4)
+    whole, *_ = a_tokens_during_a_long_prefill(tiny_model_dir, 0)
+    assert whole <= 2, whole
+
+
 def test_sixteen_streams_survive_three_reloads(make_config, tiny_model_dir, perturbed_model_dir):
     cfg = make_config(serving={"max_concurrency": 8, "max_queue": 32})
     path_of = {0: tiny_model_dir, 1: perturbed_model_dir, 2: tiny_model_dir, 3: perturbed_model_dir}
@@ -198,5 +240,5 @@ def test_stock_client_without_headers_trains_as_one_session(make_config):
     assert len(turns) == 3 and len({t["session_id"] for t in turns}) == 1
     assert [t["turn_index"] for t in turns] == [0, 1, 2]
     cat = Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards")
-    pairs = {p["turn_index"]: p for p in pending_pairs(cat, 99) if p["session_id"] == turns[0]["session_id"]}
-    assert "stock turn 1" in pairs[0]["next_state"] and "stock turn 2" in pairs[1]["next_state"]
+    pairs = {p.turn_index: p for p in pending_pairs(cat, 99) if p.session_id == turns[0]["session_id"]}
+    assert "stock turn 1" in pairs[0].next_state and "stock turn 2" in pairs[1].next_state

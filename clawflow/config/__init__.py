@@ -82,6 +82,9 @@ class ServingConfig(_Strict):
     # K,V), so 8192 tokens ≈ 377 MB; half that in bfloat16.
     prefix_cache_tokens: int = Field(8192, ge=0)
     prefix_cache_min_tokens: int = Field(16, ge=1)  # a shorter shared prefix is prefilled again (not worth it)
+    # torch engine: a prompt is prefilled this many tokens per forward, between the other streams'
+    # decode steps (chunked prefill), so an agent's 8k-token prompt does not stall them; 0 = whole
+    prefill_chunk_tokens: int = Field(512, ge=0)
     # re-warm on reload: before a swap, the new weights prefill the hottest cached prompts (up to this
     # many tokens, and rewarm_max_s) while the old ones keep serving, so the next turn is not a cold
     # prefill; 0 swaps cold. 8192 covers OpenClaw's ~7.7k-token agent prompt (~16 s on 2 CPU cores).

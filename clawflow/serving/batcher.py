@@ -6,8 +6,11 @@ taken after the temperature/top-p processors (not the raw policy distribution th
 importance ratio needs) and it samples every request with one global RNG (no per-request seed).
 So this is a compact left-padded decoder over a `DynamicCache`:
 
-- a request is admitted between steps: prefilled alone (batch 1), its first token sampled, then its
-  KV cache is left-padded (or the batch's is) to a common length and concatenated into the batch;
+- a request is admitted between steps and prefilled alone (batch 1) in chunks of `prefill_chunk`
+  tokens, one chunk per loop iteration between the decode steps (chunked prefill: an agent's 8k-token
+  prompt no longer stalls the other streams for its whole prefill, and a short prompt admitted
+  behind it is prefilled in the next iteration); then its first token is sampled and its KV cache
+  left-padded (or the batch's is) to a common length and concatenated into the batch;
 - every step decodes one token for every row (attention mask hides each row's padding, position
   ids count each row's real tokens), samples each row with its own `torch.Generator`, and records
   the log-softmax of the raw logits at the sampled token;
@@ -68,6 +71,8 @@ class _Row:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish: str = "length"
+    cache: Any = None  # the prompt's KV while it is prefilled chunk by chunk
+    filled: int = 0  # prompt tokens in `cache`
 
 
 @dataclass
@@ -82,8 +87,9 @@ class _Batch:
 
 class Batcher:
     def __init__(self, engine: _Owner, max_batch: int, max_queue: int, prefix_cache_tokens: int = 0,
-                 prefix_cache_min_tokens: int = 16):
+                 prefix_cache_min_tokens: int = 16, prefill_chunk: int = 0):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.prefill_chunk = prefill_chunk  # prompt tokens per prefill forward; 0 = the whole prompt at once
         self.prefix = PrefixCache(prefix_cache_tokens, prefix_cache_min_tokens) if prefix_cache_tokens > 0 else None
         # the policy whose KV the prefix cache holds (only the serving policy prefills); a weak
         # reference, so a replaced model is not kept alive by it
@@ -91,6 +97,7 @@ class Batcher:
         self._rewarm: RewarmJob | None = None  # at most one; runs on the decode thread
         self._staged: tuple[weakref.ref, list] | None = None  # a re-warmed policy's KV, installed on its first use
         self._waiting: deque[_Row] = deque()
+        self._prefilling: list[_Row] = []  # admitted, prompt not fully in their cache yet
         self._batches: dict[int, _Batch] = {}
         self._running = 0  # admitted and not finished (prefilling or in a batch)
         self.aborted = 0  # requests stopped early because their client went away
@@ -159,7 +166,7 @@ class Batcher:
             if not job.started:  # which prompts are hot is read here: the cache is this thread's
                 owner = self._prefix_owner
                 job.begin(self.prefix.hottest(owner[1]) if owner is not None else [])
-            if self._batches or self._waiting:
+            if self._batches or self._waiting or self._prefilling:
                 job.owed += work_s
                 if job.spent > job.owed:
                     return
@@ -180,7 +187,8 @@ class Batcher:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stop and not self._waiting and not self._batches and self._rewarm is None:
+                    while not (self._stop or self._waiting or self._batches or self._prefilling
+                               or self._rewarm is not None):
                         self._cv.wait()
                     if self._stop:
                         return
@@ -194,6 +202,8 @@ class Batcher:
                     self._running += len(admit)
                 t0 = time.perf_counter()
                 for row in admit:
+                    self._guard([row], lambda r=row: self._start(r))
+                for row in list(self._prefilling):  # one chunk each, then every batch decodes a token
                     self._guard([row], lambda r=row: self._prefill(r))
                 for version, batch in list(self._batches.items()):
                     self._guard(batch.rows, lambda b=batch: self._step(b))
@@ -210,32 +220,42 @@ class Batcher:
         except Exception as exc:  # a failed forward fails its requests, never the loop
             log.exception("decode step failed")
             for row in rows:
+                if row in self._prefilling:
+                    self._prefilling.remove(row)
                 if not row.future.done():
                     self._finish(row, exc)
             for version, batch in list(self._batches.items()):
                 if any(r in rows for r in batch.rows):
                     del self._batches[version]
 
-    def _prefill(self, row: _Row) -> None:
+    def _start(self, row: _Row) -> None:
+        """Pin the serving policy and seed the row's cache with the longest cached prefix."""
         from transformers import DynamicCache
 
         row.policy = policy = self.engine._policy  # pinned: this request finishes on this version
-        cache = DynamicCache()
-        reused, layers = self._prefix_lookup(policy, row.prompt_ids)
-        kwargs = {}
-        if reused:  # the cache holds prompt_ids[:reused]; run the tail at its real positions
-            for i, (k, v) in enumerate(layers):
-                cache.update(k, v, i)  # DynamicLayer copies them in (torch.cat): the stored KV stays intact
-            kwargs["position_ids"] = torch.arange(reused, len(row.prompt_ids))[None]
+        row.cache = DynamicCache()
+        row.filled, layers = self._prefix_lookup(policy, row.prompt_ids)
+        for i, (k, v) in enumerate(layers or []):  # the cache holds prompt_ids[:filled]
+            row.cache.update(k, v, i)  # DynamicLayer copies them in (torch.cat): the stored KV stays intact
+        self._prefilling.append(row)
+
+    def _prefill(self, row: _Row) -> None:
+        """The next chunk of the row's prompt, at its real positions; the first token once it is whole."""
+        policy, cache, n = row.policy, row.cache, len(row.prompt_ids)
+        end = min(n, row.filled + self.prefill_chunk) if self.prefill_chunk > 0 else n
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head
         # over every prompt token, ~20 % of a prefill) would be thrown away.
-        out = policy.model(torch.tensor([row.prompt_ids[reused:]]), cache=cache, use_cache=True, logits_to_keep=1,
-                           **kwargs)
+        out = policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=cache, use_cache=True,
+                           logits_to_keep=1, position_ids=torch.arange(row.filled, end)[None])
+        row.filled = end
+        if end < n:
+            return
+        self._prefilling.remove(row)
+        row.cache = None  # the batch owns it from here
         if self.prefix is not None:  # the cache holds exactly the prompt's KV here (no sampled token yet)
             self.prefix.store(policy.version, row.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
         if self._emit(row, out.logits[0, -1]):
             return self._finish(row)
-        n = len(row.prompt_ids)
         batch = self._batches.setdefault(policy.version, _Batch(policy))
         mask, pos, last = torch.ones(1, n, dtype=torch.long), torch.tensor([n]), torch.tensor([row.out_ids[-1]])
         if batch.cache is None:

@@ -42,7 +42,8 @@ class _Policy:
 class TorchEngine:  # an `engine_protocol.Engine`
     def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
-                 prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0):
+                 prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0,
+                 prefill_chunk_tokens: int = 512):
         from transformers import AutoTokenizer
 
         if threads:
@@ -55,7 +56,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
         self.eos_ids = self._eos_ids()
-        self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens)
+        self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens,
+                               prefill_chunk_tokens)
 
     # -- weights ---------------------------------------------------------------------------
     def _load(self, path: str):
