@@ -6,10 +6,11 @@ taken after the temperature/top-p processors (not the raw policy distribution th
 importance ratio needs) and it samples every request with one global RNG (no per-request seed).
 So this is a compact left-padded decoder over a `DynamicCache`:
 
-- a request is admitted between steps and prefilled alone (batch 1) in chunks of `prefill_chunk`
-  tokens, one chunk per loop iteration between the decode steps (chunked prefill: an agent's 8k-token
-  prompt no longer stalls the other streams for its whole prefill, and a short prompt admitted
-  behind it is prefilled in the next iteration); then its first token is sampled and its KV cache
+- a request is admitted between steps and prefilled alone (batch 1); while other requests are
+  decoding or prefilling, in chunks of `prefill_chunk` tokens, one chunk per loop iteration between
+  the decode steps (chunked prefill: an agent's 8k-token prompt no longer stalls the other streams
+  for its whole prefill, and a short prompt admitted behind it is prefilled in the next
+  iteration), else whole (faster alone); then its first token is sampled and its KV cache
   left-padded (or the batch's is) to a common length and concatenated into the batch;
 - every step decodes one token for every row (attention mask hides each row's padding, position
   ids count each row's real tokens), samples each row with its own `torch.Generator`, and records
@@ -242,7 +243,10 @@ class Batcher:
     def _prefill(self, row: _Row) -> None:
         """The next chunk of the row's prompt, at its real positions; the first token once it is whole."""
         policy, cache, n = row.policy, row.cache, len(row.prompt_ids)
-        end = min(n, row.filled + self.prefill_chunk) if self.prefill_chunk > 0 else n
+        # Chunks only while others wait on this thread: a chunk's attention over the cached part takes
+        # the masked SDPA path, so a lone prompt's prefill is ~1.5x faster whole (bench/prefill.py).
+        busy = bool(self._batches) or len(self._prefilling) > 1
+        end = min(n, row.filled + self.prefill_chunk) if self.prefill_chunk > 0 and busy else n
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head
         # over every prompt token, ~20 % of a prefill) would be thrown away.
         out = policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=cache, use_cache=True,
