@@ -28,11 +28,19 @@ MARKER = re.compile(r"m-[0-9a-f]{32}")
 
 
 def start_gateway(cfg, log: Path) -> subprocess.Popen:
+    return wait_healthy(cfg, log, spawn_gateway(cfg, log))
+
+
+def spawn_gateway(cfg, log: Path) -> subprocess.Popen:
+    """`clawflow serve` started, not yet waited for (several can start side by side)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CLAWFLOW_HOME")}
     env["HF_HUB_OFFLINE"] = "1"
     cmd = [sys.executable, "-m", "clawflow.cli", "serve", "--config", str(cfg.source_file),
            "--port", str(cfg.serving.port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(cfg, log: Path, proc: subprocess.Popen) -> subprocess.Popen:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:

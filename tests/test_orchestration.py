@@ -116,7 +116,7 @@ def test_shard_sealed_burst_trains_serially(deployed, make_config, tmp_path):
                 break
             assert time.monotonic() < deadline, f"runs not done: {[(r['name'], r['state_name']) for r in runs]}\n" \
                                                 f"{(tmp_path / 'worker.log').read_text()[-4000:]}"
-            time.sleep(1)
+            time.sleep(0.25)
     print(f"3 triggered runs done in {time.monotonic() - started:.1f}s")
 
     # threshold 1 / within 0: no batching by design, so one run per event; none lost.

@@ -15,7 +15,7 @@ import httpx
 import yaml
 from conftest import admin, free_port, policy_version, running_gateway
 from safetensors.torch import load_file, save_file
-from test_crash import start_gateway
+from test_crash import spawn_gateway, wait_healthy
 
 from clawflow.policy import registry
 
@@ -54,8 +54,11 @@ def test_replicas_serve_each_promotion_and_rollback(make_config, tiny_model_dir,
     v1 = register(cfg, Path(tiny_model_dir), tmp_path, 1.5)
     v2 = register(cfg, Path(tiny_model_dir), tmp_path, 2.0)
     a, b = replica(cfg, tmp_path, "gw-a"), replica(cfg, tmp_path, "gw-b")
-    procs = [start_gateway(a, tmp_path / "gw-a.log"), start_gateway(b, tmp_path / "gw-b.log")]
+    # both replicas start side by side (separate processes), then each is waited for
+    procs = [spawn_gateway(c, tmp_path / f"{n}.log") for c, n in ((a, "gw-a"), (b, "gw-b"))]
     try:
+        for c, n, p in zip((a, b), ("gw-a", "gw-b"), procs):
+            wait_healthy(c, tmp_path / f"{n}.log", p)
         assert policy_version(a) == policy_version(b) == 0  # no champion yet: the base
         time.sleep(1.0)
         assert policy_version(a) == policy_version(b) == 0  # nothing to follow: nothing moves
