@@ -244,7 +244,7 @@ class Batcher:
         """The next chunk of the row's prompt, at its real positions; the first token once it is whole."""
         policy, cache, n = row.policy, row.cache, len(row.prompt_ids)
         # Chunks only while others wait on this thread: a chunk's attention over the cached part takes
-        # the masked SDPA path, so a lone prompt's prefill is ~1.5x faster whole (bench/prefill.py).
+        # the masked SDPA path, so a lone prompt is prefilled ~1.3x faster whole (bench/prefill.py).
         busy = bool(self._batches) or len(self._prefilling) > 1
         end = min(n, row.filled + self.prefill_chunk) if self.prefill_chunk > 0 and busy else n
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head

@@ -28,12 +28,13 @@ def step_seconds(model: Any, bf16: bool, reps: int = 2) -> float:
     """Best seconds of a forward + backward over PROBE_TOKENS random tokens, fp32 or under bf16 autocast."""
     ids = torch.randint(0, model.config.vocab_size, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
     best = float("inf")
-    for _ in range(reps + 1):  # the first pass selects kernels and packs weights: not timed
+    for i in range(reps + 1):  # the first pass selects kernels and packs weights: not timed
         t0 = time.perf_counter()
         with autocast(bf16):
             logits = model(input_ids=ids, use_cache=False).logits
         logits.float().logsumexp(-1).mean().backward()
-        best = min(best, time.perf_counter() - t0) if _ else best
+        if i:
+            best = min(best, time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     return best
 
