@@ -18,7 +18,10 @@ trainer's truncated importance sampling (`train.tis_cap`) corrects the mismatch 
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -58,14 +61,26 @@ def time_model(model: Any, reps: int = 2) -> tuple[float, float]:
     return prefill, decode
 
 
-def probe(path: str) -> dict[str, float]:
-    """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) for the model at `path`."""
+def measure(path: str, context: int = CONTEXT) -> dict[str, float]:
+    """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) for the model at `path`, in this process."""
+    global CONTEXT
+    CONTEXT = context
     from clawflow.policy.loader import load_policy
 
     model = load_policy(path, torch.float32).eval()
     fp32 = time_model(model)
     bf16 = time_model(model.to(torch.bfloat16))
     return {"prefill_speedup": fp32[0] / bf16[0], "decode_speedup": fp32[1] / bf16[1]}
+
+
+def probe(path: str, timeout_s: float = 300.0) -> dict[str, float]:
+    """`measure` in a child process on this process's thread count. In the server process itself it
+    left the fp32 model it then served 25-40 % slower at 8 streams (bench/serving.py, 2026-12-04:
+    42-57 vs 73 tok/s with the probe skipped); a child leaves nothing behind."""
+    out = subprocess.run([sys.executable, "-m", "clawflow.serving.dtype_probe", str(path),
+                          str(torch.get_num_threads()), str(CONTEXT)],
+                         capture_output=True, text=True, timeout=timeout_s, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def choose(setting: str, path: str) -> tuple[str, dict[str, float] | None]:
@@ -82,3 +97,8 @@ def choose(setting: str, path: str) -> tuple[str, dict[str, float] | None]:
     log.info("dtype probe: bf16 vs fp32 %.2fx at a %d-token prefill, %.2fx at a decode step after %d tokens: "
              "serving %s", found["prefill_speedup"], PREFILL_TOKENS, found["decode_speedup"], CONTEXT, pick)
     return pick, found
+
+
+if __name__ == "__main__":  # the child of `probe`: path, threads, context -> one JSON line
+    torch.set_num_threads(int(sys.argv[2]))
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[3]))))
