@@ -35,8 +35,8 @@ MIN_SPEEDUP = 1.15  # prefill; below this, bf16's rounding is not worth it (and 
 
 
 @torch.inference_mode()
-def time_model(model: Any, reps: int = 2) -> tuple[float, float]:
-    """(best prefill seconds, best decode-step seconds after CONTEXT cached tokens) of `model`."""
+def time_model(model: Any, reps: int = 2, context: int = CONTEXT) -> tuple[float, float]:
+    """(best prefill seconds, best decode-step seconds after `context` cached tokens) of `model`."""
     from transformers import DynamicCache
 
     cfg = model.config
@@ -47,7 +47,7 @@ def time_model(model: Any, reps: int = 2) -> tuple[float, float]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = DynamicCache()
     for i in range(cfg.num_hidden_layers):
-        kv = torch.randn(1, heads_kv, CONTEXT, head_dim, generator=gen).to(dtype)
+        kv = torch.randn(1, heads_kv, context, head_dim, generator=gen).to(dtype)
         cache.update(kv, kv.clone(), i)
     model(ids[:, :8], logits_to_keep=1)  # first call: kernel selection, packing
     prefill = decode = float("inf")
@@ -56,20 +56,18 @@ def time_model(model: Any, reps: int = 2) -> tuple[float, float]:
         model(ids, logits_to_keep=1)
         prefill = min(prefill, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        model(ids[:, r:r + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[CONTEXT + r]]))
+        model(ids[:, r:r + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[context + r]]))
         decode = min(decode, time.perf_counter() - t0)
     return prefill, decode
 
 
 def measure(path: str, context: int = CONTEXT) -> dict[str, float]:
     """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) for the model at `path`, in this process."""
-    global CONTEXT
-    CONTEXT = context
     from clawflow.policy.loader import load_policy
 
     model = load_policy(path, torch.float32).eval()
-    fp32 = time_model(model)
-    bf16 = time_model(model.to(torch.bfloat16))
+    fp32 = time_model(model, context=context)
+    bf16 = time_model(model.to(torch.bfloat16), context=context)
     return {"prefill_speedup": fp32[0] / bf16[0], "decode_speedup": fp32[1] / bf16[1]}
 
 
