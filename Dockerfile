@@ -14,6 +14,13 @@ FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=
+# Where the build host's pip needs them, mounted at build time (ARGs are in every RUN's environment,
+# so pip reads them; neither is kept in the image): a folder of local wheels
+#   -v /opt/wheels:/opt/wheels:ro --build-arg PIP_FIND_LINKS=/opt/wheels
+# and the CA bundle of a TLS-intercepting proxy
+#   -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/build-host-ca.crt:ro --build-arg PIP_CERT=/etc/ssl/certs/build-host-ca.crt
+ARG PIP_FIND_LINKS=
+ARG PIP_CERT=
 
 # make runs the Makefile's install; git lets pip read VCS metadata if present; no compilers needed
 RUN apt-get update && apt-get install -y --no-install-recommends make git \

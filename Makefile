@@ -29,11 +29,13 @@ status:
 	$(BIN)/clawflow status
 
 # What the tests need beyond Python, installed here so `make test` passes on a fresh machine:
-# headless Chromium (tests/test_browser.py) and the real OpenClaw agent, pinned, in .tools/
-# (tests/test_openclaw_e2e.py). A failed install does not stop the run: those tests fail, saying why.
+# headless Chromium (tests/test_browser.py), the real OpenClaw agent, pinned, in .tools/
+# (tests/test_openclaw_e2e.py), and podman to build the container image (tests/test_container.py).
+# A failed install does not stop the run: those tests fail (the image build skips), saying why.
 test: install
 	-.ci/install-chromium
 	-.ci/install-openclaw
+	-.ci/install-podman
 	$(BIN)/python -m pytest -q
 
 lock: install
