@@ -1,11 +1,12 @@
-"""bf16 vs fp32 serving on this CPU: speed, and how far the recorded logprobs move.
+"""bf16 and bf16-weights vs fp32 serving on this CPU: speed, and how far the recorded logprobs move.
 
 Side by side in one run, on SmolLM2-135M-Instruct in the embedded engine (one engine per dtype, no
-server): the start-up probe's verdict (clawflow/serving/dtype_probe.py: the model's own prefill and
+server; bf16-weights is bf16 Linear weights under fp32 attention and KV, policy/bf16_weights.py):
+the start-up probe's verdict (clawflow/serving/dtype_probe.py: the model's own prefill and
 long-context decode step in both dtypes), prefill tokens/s of a
 --prompt-tokens prompt, decode ms/token at batch 1 after a short prompt and after --context cached
-tokens (an agent's next turn), and the honesty of the recorded logprobs: greedy replies served in bf16 (the logprobs the
-gateway would record) scored again by the fp32 model the trainer holds, per token: mean |Δ logprob|,
+tokens (an agent's next turn), and the honesty of the recorded logprobs: greedy replies served in each bf16 mode (the
+logprobs the gateway would record) scored again by the fp32 model the trainer holds, per token: mean |Δ logprob|,
 its 99th percentile, the share beyond ln(train.tis_cap) (what truncated importance sampling can no
 longer correct), and how many greedy replies are the same in both dtypes.
 
@@ -84,7 +85,7 @@ def main() -> None:
     from clawflow.serving.engine import SamplingParams, TorchEngine
 
     path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
-    engines = {d: TorchEngine(path, dtype=d, prefix_cache_tokens=0) for d in ("float32", "bfloat16")}
+    engines = {d: TorchEngine(path, dtype=d, prefix_cache_tokens=0) for d in ("float32", "bfloat16", "bf16-weights")}
     picked, found = choose("auto", path)
     speed = {}
     for d, e in engines.items():
@@ -93,33 +94,37 @@ def main() -> None:
                     decode_ms(e, e.encode_chat([{"role": "user", "content": QUESTIONS[0]}])),
                     long_decode_ms(e._policy.model, args.context))
 
-    fp32, bf16 = engines["float32"], engines["bfloat16"]
-    deltas, agree, total = [], 0, 0
+    fp32 = engines["float32"]
     greedy = SamplingParams(max_new_tokens=args.max_tokens, temperature=0.0)
-    for q in QUESTIONS[: args.replies]:
-        prompt = bf16.encode_chat([{"role": "user", "content": q}])
-        served = bf16.generate(prompt, greedy)  # what a bf16 gateway records
-        exact = fp32.score(prompt, served.token_ids)  # the fp32 policy's logprobs of the same tokens
-        deltas += [abs(a - b) for a, b in zip(served.logprobs, exact)]
-        ref = fp32.generate(prompt, greedy).token_ids
-        agree += served.token_ids == ref
-        total += 1
+    refs = {q: fp32.generate(fp32.encode_chat([{"role": "user", "content": q}]), greedy).token_ids
+            for q in QUESTIONS[: args.replies]}
     cap = math.log(TrainConfig().tis_cap or 2.0)
-    deltas.sort()
-    print(f"\nbf16 vs fp32, SmolLM2-135M-Instruct ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads, "
+    print(f"\nbf16 modes vs fp32, SmolLM2-135M-Instruct ({time.strftime('%Y-%m-%d %H:%M')}, {args.threads} threads, "
           f"load average {os.getloadavg()[0]:.1f})")
-    print(f"start-up probe: bf16 {found['prefill_speedup']:.2f}x at prefill, {found['decode_speedup']:.2f}x at a "
-          f"long-context decode step -> serves {picked}")
-    print(f"{'dtype':<10} {'prefill tok/s':>14} {'decode ms/token':>16} {f'after {args.context} tokens':>18}")
+    print(f"start-up probe: bf16-weights {found['prefill_speedup']:.2f}x at prefill, {found['decode_speedup']:.2f}x "
+          f"at a long-context decode step -> serves {picked}")
+    print(f"{'dtype':<13} {'prefill tok/s':>14} {'decode ms/token':>16} {f'after {args.context} tokens':>18}")
     for d, (p, ms, long_ms) in speed.items():
-        print(f"{d:<10} {p:>14.0f} {ms:>16.1f} {long_ms:>18.1f}")
-    f, b = speed["float32"], speed["bfloat16"]
-    print(f"bf16 / fp32 speed: prefill {b[0] / f[0]:.2f}x (prompt {args.prompt_tokens} tokens), decode "
-          f"{f[1] / b[1]:.2f}x after a short prompt, {f[2] / b[2]:.2f}x after {args.context} tokens")
-    print(f"recorded logprobs, {len(deltas)} tokens of {args.replies} greedy bf16 replies re-scored in fp32: mean "
-          f"|Δ| {statistics.mean(deltas):.4f} nats/token, p99 {deltas[int(0.99 * (len(deltas) - 1))]:.4f}, max "
-          f"{deltas[-1]:.4f}; beyond ln(tis_cap)={cap:.2f}: {sum(d > cap for d in deltas) / len(deltas):.2%}; "
-          f"greedy replies identical to fp32's: {agree}/{total}")
+        print(f"{d:<13} {p:>14.0f} {ms:>16.1f} {long_ms:>18.1f}")
+    f = speed["float32"]
+    for d, e in engines.items():
+        if d == "float32":
+            continue
+        b = speed[d]
+        deltas, agree = [], 0
+        for q, ref in refs.items():
+            prompt = e.encode_chat([{"role": "user", "content": q}])
+            served = e.generate(prompt, greedy)  # what a gateway serving in `d` records
+            exact = fp32.score(prompt, served.token_ids)  # the fp32 policy's logprobs of the same tokens
+            deltas += [abs(x - y) for x, y in zip(served.logprobs, exact)]
+            agree += served.token_ids == ref
+        deltas.sort()
+        print(f"{d} / fp32 speed: prefill {b[0] / f[0]:.2f}x (prompt {args.prompt_tokens} tokens), decode "
+              f"{f[1] / b[1]:.2f}x after a short prompt, {f[2] / b[2]:.2f}x after {args.context} tokens")
+        print(f"  recorded logprobs, {len(deltas)} tokens of {len(refs)} greedy replies re-scored in fp32: mean "
+              f"|Δ| {statistics.mean(deltas):.4f} nats/token, p99 {deltas[int(0.99 * (len(deltas) - 1))]:.4f}, max "
+              f"{deltas[-1]:.4f}; beyond ln(tis_cap)={cap:.2f}: {sum(x > cap for x in deltas) / len(deltas):.2%}; "
+              f"greedy replies identical to fp32's: {agree}/{len(refs)}")
     for e in engines.values():
         e.close()
 

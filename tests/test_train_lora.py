@@ -103,6 +103,28 @@ def test_engine_serves_the_adapter_on_its_own_weights_and_merge_matches(tiny_mod
     assert bad.returncode == 2 and "is not a LoRA adapter directory" in bad.stderr
 
 
+def test_bf16_weights_engine_serves_the_adapter_in_fp32_on_bf16_base_weights(tiny_model_dir, lora_run):
+    from clawflow.policy.bf16_weights import BF16Linear
+
+    tmp, _, rows, _ = lora_run
+    engine = TorchEngine(tiny_model_dir, dtype="bf16-weights", prefix_cache_tokens=0)
+    try:
+        engine.reload(str(tmp / "v1"), 1)
+        model = engine._policy.model
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        assert lora and all(p.dtype == torch.float32 for p in lora)  # the adapter as the trainer holds it
+        bases = [m.base_layer for m in model.modules() if hasattr(m, "lora_A")]
+        assert bases and all(type(b) is BF16Linear and b.weight.dtype == torch.bfloat16 for b in bases)
+        want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                         tmp / "v1").eval()
+        row = rows[0]
+        got = sum(engine.score(row["prompt_token_ids"], row["response_token_ids"]))
+        exact = response_logprob(want, row["prompt_token_ids"], row["response_token_ids"])
+        assert got != exact and got == pytest.approx(exact, abs=0.1 * len(row["response_token_ids"]))
+    finally:
+        engine.close()
+
+
 def test_gateway_reloads_an_adapter_directory(make_config, lora_run):
     import httpx
 

@@ -90,10 +90,11 @@ class ServingConfig(_Strict):
     # prefill; 0 swaps cold. 8192 covers OpenClaw's ~7.7k-token agent prompt (~16 s on 2 CPU cores).
     rewarm_tokens: int = Field(8192, ge=0)
     rewarm_max_s: float = Field(60.0, gt=0)  # the most a reload waits for it; it keeps what it has
-    # torch engine's dtype. auto: a start-up probe times the model's matmuls in both (serving/dtype_probe.py)
-    # and serves bfloat16 only where it is clearly faster (CPUs with AVX512-BF16/AMX); elsewhere float32.
+    # torch engine's dtype. bf16-weights: Linear weights in bf16, attention and KV cache fp32. auto: a
+    # start-up probe times the model in float32 and bf16-weights (serving/dtype_probe.py) and serves
+    # bf16-weights only where it is clearly faster (CPUs with AVX512-BF16/AMX); elsewhere float32.
     # An explicit model.dtype is honoured under auto.
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "bf16-weights"] = "auto"
 
 
 class StoreConfig(_Strict):

@@ -184,7 +184,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     async def policy() -> dict[str, Any]:
         answer = {"version": gw.engine.policy_version, "path": gw.engine.model_path, "model": gw.cfg.model.name}
         if gw.engine.dtype is not None:  # torch engine: what serving.dtype settled on
-            answer["dtype"] = str(gw.engine.dtype).removeprefix("torch.")
+            answer["dtype"] = gw.engine.dtype
         return answer
 
     @app.post("/admin/reload", dependencies=[Depends(require_admin)])

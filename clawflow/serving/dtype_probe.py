@@ -2,18 +2,22 @@
 
 Machines differ between sessions: an AVX2-only EPYC ran bf16 matmuls 2.2x SLOWER than fp32 (no
 native bf16: FIELD_NOTES.md); CPUs with AVX512-BF16 or AMX run them much faster. Matmuls are not the
-whole story, though: on an AVX512-BF16 EPYC, bf16 matmuls ran 2-3x faster and a 2k-token prefill
-1.5x faster, but a decode step after 4k cached tokens ran 2x SLOWER (206 vs 100 ms: attention and
-KV-cache traffic in bf16), and an agent's turn is mostly that. A micro-benchmark of SDPA alone
-called that one a tie. So `choose` times the model itself, in both dtypes, on this machine's
-threads: a PREFILL_TOKENS prefill and a decode step after CONTEXT cached tokens (random KV: the
-time does not depend on the values), best of two: seconds of start-up (10-60 s on 2 cores under
-other load). bf16 wins only when it is clearly faster at prefill and not slower at long-context
-decode; everywhere else fp32. `serving.dtype: float32|bfloat16` skips the probe.
+whole story, though: on an AVX512-BF16 EPYC, full bf16 ran a 2k-token prefill 1.5x faster but a
+decode step after 4k cached tokens 2x SLOWER (206 vs 100 ms: attention and KV-cache traffic in
+bf16), and an agent's turn is mostly that. So the fast path is `bf16-weights`
+(policy/bf16_weights.py): only the Linear weights in bf16, attention and the KV cache in fp32. On
+that EPYC it ran prefill 1.4x, a decode step after 4k tokens 1.3x and short-context decode 1.6-1.9x
+faster than fp32.
 
-Recorded logprobs stay the trainer's business: a bf16 server samples from bf16 logits, and the
-trainer's truncated importance sampling (`train.tis_cap`) corrects the mismatch per token;
-`bench/dtype.py` measures how large it is (mean |Δ logprob| per token, bf16 vs fp32).
+`choose` times the model itself, fp32 and bf16-weights, on this machine's threads: a
+PREFILL_TOKENS prefill and a decode step after CONTEXT cached tokens (random KV: the time does not
+depend on the values), best of two: seconds of start-up, in a child process. bf16-weights wins only
+when it is clearly faster at prefill and not slower at long-context decode; everywhere else fp32.
+`serving.dtype: float32|bfloat16|bf16-weights` skips the probe (full bfloat16 is never picked by it).
+
+Recorded logprobs stay the trainer's business: a bf16 server samples from bf16-rounded logits, and
+the trainer's truncated importance sampling (`train.tis_cap`) corrects the mismatch per token;
+`bench/dtype.py` measures how large it is (mean |Δ logprob| per token against fp32).
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ def time_model(model: Any, reps: int = 2, context: int = CONTEXT) -> tuple[float
 
 
 def measure(path: str, context: int = CONTEXT) -> dict[str, float]:
-    """bf16's speed-up over fp32 (fp32 seconds / bf16 seconds) for the model at `path`, in this process."""
+    """bf16-weights' speed-up over fp32 (fp32 seconds / its seconds) for the model at `path`, in this process."""
+    from clawflow.policy.bf16_weights import bf16_weights
     from clawflow.policy.loader import load_policy
 
     model = load_policy(path, torch.float32).eval()
     fp32 = time_model(model, context=context)
-    bf16 = time_model(model.to(torch.bfloat16), context=context)
+    bf16 = time_model(bf16_weights(model), context=context)
     return {"prefill_speedup": fp32[0] / bf16[0], "decode_speedup": fp32[1] / bf16[1]}
 
 
@@ -91,8 +96,8 @@ def choose(setting: str, path: str) -> tuple[str, dict[str, float] | None]:
         log.warning("dtype probe failed (%s); serving float32", exc)
         return "float32", None
     fast = found["prefill_speedup"] >= MIN_SPEEDUP and found["decode_speedup"] >= 1.0
-    pick = "bfloat16" if fast else "float32"
-    log.info("dtype probe: bf16 vs fp32 %.2fx at a %d-token prefill, %.2fx at a decode step after %d tokens: "
+    pick = "bf16-weights" if fast else "float32"
+    log.info("dtype probe: bf16-weights vs fp32 %.2fx at a %d-token prefill, %.2fx at a decode step after %d tokens: "
              "serving %s", found["prefill_speedup"], PREFILL_TOKENS, found["decode_speedup"], CONTEXT, pick)
     return pick, found
 

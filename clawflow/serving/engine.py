@@ -48,7 +48,9 @@ class TorchEngine:  # an `engine_protocol.Engine`
 
         if threads:
             torch.set_num_threads(threads)
-        self.dtype = getattr(torch, dtype)
+        self.dtype = dtype  # the setting served in: float32, bfloat16 or bf16-weights
+        # bf16-weights: loaded in fp32, then its Linear weights stored in bf16 (policy/bf16_weights.py)
+        self._load_dtype = torch.float32 if dtype == "bf16-weights" else getattr(torch, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
         self._policy = _Policy(self._load(model_path), version, str(model_path))
@@ -61,18 +63,21 @@ class TorchEngine:  # an `engine_protocol.Engine`
 
     # -- weights ---------------------------------------------------------------------------
     def _load(self, path: str):
+        from clawflow.policy.bf16_weights import bf16_weights
         from clawflow.policy.loader import load_policy
 
         if is_adapter(path):
             return self._load_adapter(path)
         # strict: transformers fills missing weights with random ones: never serve that
-        return load_policy(path, self.dtype, strict=True).eval()
+        model = load_policy(path, self._load_dtype, strict=True).eval()
+        return bf16_weights(model) if self.dtype == "bf16-weights" else model
 
     def _load_adapter(self, path: str):
         """Base weights shared with a cached base model (never modified) + this adapter, unmerged."""
         import copy
         import itertools
 
+        from clawflow.policy.bf16_weights import fp32_adapters
         from clawflow.policy.loader import load_policy
 
         base_dir = str(adapter_base(path))
@@ -84,7 +89,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         base = self._bases[base_dir]
         shared = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
         shell = copy.deepcopy(base, shared)  # new modules, the same weight tensors
-        return load_policy(path, merge=False, base_model=shell).eval()
+        model = load_policy(path, merge=False, base_model=shell).eval()
+        return fp32_adapters(model) if self.dtype == "bf16-weights" else model
 
     @property
     def policy_version(self) -> int:

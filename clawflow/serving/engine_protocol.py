@@ -28,7 +28,7 @@ class EngineStats:
 @runtime_checkable
 class Engine(Protocol):
     tokenizer: Any  # the model's transformers tokenizer (logprobs spell each token with it)
-    dtype: Any  # the torch dtype served in; None where the engine settles it itself (SGLang)
+    dtype: str | None  # float32, bfloat16 or bf16-weights; None where the engine settles it itself (SGLang)
     last_rewarm: dict | None  # what the last reload's re-warm did (its /admin/reload answer); None: none
 
     @property

@@ -34,7 +34,6 @@ def initial_policy(cfg: Config) -> tuple[int, str]:
 
 
 def build_app(cfg: Config):
-    from clawflow.policy import registry
     from clawflow.serving.app import create_app
     from clawflow.serving.engine import TorchEngine
     from clawflow.serving.gateway import Gateway
