@@ -1,5 +1,7 @@
 """Serving benchmark: clawflow's gateway vs `transformers serve` (Hugging Face's own OpenAI server) on
-SmolLM2-135M-Instruct fp32 CPU, 1 / 8 / 32 concurrent streaming clients (real `openai` SDK), one run.
+SmolLM2-135M-Instruct on CPU, 1 / 8 / 32 concurrent streaming clients (real `openai` SDK), one run.
+clawflow serves in the dtype its `serving.dtype: auto` probe picks (printed: bf16-weights where the
+CPU has fast bf16 matmuls, else float32); transformers serve in --tf-dtype (float32 by default).
 
     .venv/bin/python bench/serving.py                          # ~15 min on 2 cores
     .venv/bin/python bench/serving.py --clients 8 --seconds 20 --rounds 2
@@ -81,6 +83,9 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
+SERVED: dict[str, str] = {}  # server -> the dtype it served in
+
+
 def start_clawflow(model: str, tmp: Path, fsync: str | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
@@ -95,6 +100,8 @@ def start_clawflow(model: str, tmp: Path, fsync: str | None = None) -> Server:
     proc = subprocess.Popen([str(VENV_BIN / "clawflow"), "serve", "--config", str(cfg)], cwd=ROOT,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_ready(f"http://127.0.0.1:{port}/healthz", proc, log)
+    policy = httpx.get(f"http://127.0.0.1:{port}/admin/policy", headers={"Authorization": "Bearer clawflow-admin"})
+    SERVED["clawflow"] = policy.json().get("dtype", "?")
     return Server("clawflow (recording)", proc, f"http://127.0.0.1:{port}/v1", raw["serving"].get("api_key", "clawflow"),
                   "smollm2-135m-instruct")
 
@@ -105,9 +112,10 @@ def unrecorded(ours: Server) -> Server:
                   "clawflow-admin", ours.model)
 
 
-def start_transformers(model: str, tmp: Path, cb: bool) -> Server:
+def start_transformers(model: str, tmp: Path, cb: bool, dtype: str = "float32") -> Server:
     port = free_port()
-    argv = [str(VENV_BIN / "transformers"), "serve", model, "--device", "cpu", "--dtype", "float32",
+    SERVED["transformers"] = dtype
+    argv = [str(VENV_BIN / "transformers"), "serve", model, "--device", "cpu", "--dtype", dtype,
             "--host", "127.0.0.1", "--port", str(port)]
     if cb:  # 512 blocks x 32 tokens = 16k tokens of KV (~750 MB), not 60 % of RAM
         argv += ["--continuous-batching", "--cb-block-size", "32", "--cb-num-blocks", "512"]
@@ -250,7 +258,8 @@ def report(results: list[Result], args) -> None:
         return statistics.mean(vals) if vals else None
 
     base = "transformers serve --continuous-batching"
-    print(f"\nSmolLM2-135M-Instruct fp32 CPU, {os.cpu_count()} cores, max_tokens {args.max_tokens}, greedy, "
+    dtypes = ", ".join(f"{k} in {v}" for k, v in SERVED.items())
+    print(f"\nSmolLM2-135M-Instruct CPU ({dtypes}), {os.cpu_count()} cores, max_tokens {args.max_tokens}, greedy, "
           f"{args.seconds:.0f} s windows, {args.rounds} round(s); {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'clients':>7}  {'server':<42} {'tok/s':>7} {'x tf-cb':>7} {'p50 s':>6} {'p99 s':>6} "
           f"{'ttft50':>6} {'done':>4} {'tok/req':>7} {'load':>5} {'other%':>6}")
@@ -289,6 +298,8 @@ def main() -> None:
     ap.add_argument("--fsync", choices=["always", "group", "never"], default=None,
                     help="the recording store's store.fsync (default: configs/default.yaml's)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["plain", "cb", "norec"])
+    ap.add_argument("--tf-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="transformers serve's --dtype (clawflow's is its serving.dtype: auto)")
     args = ap.parse_args()
 
     model = model_dir()
@@ -300,9 +311,9 @@ def main() -> None:
         if "norec" not in args.skip:
             servers["clawflow (no recording)"] = unrecorded(ours)
         if "cb" not in args.skip:
-            servers["cb"] = start_transformers(model, tmp, cb=True)
+            servers["cb"] = start_transformers(model, tmp, cb=True, dtype=args.tf_dtype)
         if "plain" not in args.skip:
-            servers["plain"] = start_transformers(model, tmp, cb=False)
+            servers["plain"] = start_transformers(model, tmp, cb=False, dtype=args.tf_dtype)
         results: list[Result] = []
         order = list(servers.values())
         for rnd in range(args.rounds):
