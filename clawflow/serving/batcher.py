@@ -4,7 +4,8 @@ between decode steps.
 Why our own and not transformers' `ContinuousBatchingManager` (transformers 5.x): its logprobs are
 taken after the temperature/top-p processors (not the raw policy distribution the trainer's
 importance ratio needs) and it samples every request with one global RNG (no per-request seed).
-So this is a compact left-padded decoder over a `DynamicCache`:
+So this is a compact left-padded decoder over a `DynamicCache` whose layers append in place
+(clawflow/serving/kv_cache.py):
 
 - a request is admitted between steps and prefilled alone (batch 1); while other requests are
   decoding or prefilling, in chunks of `prefill_chunk` tokens, one chunk per loop iteration between
@@ -231,10 +232,10 @@ class Batcher:
 
     def _start(self, row: _Row) -> None:
         """Pin the serving policy and seed the row's cache with the longest cached prefix."""
-        from transformers import DynamicCache
+        from clawflow.serving.kv_cache import new_cache  # imports transformers: not at module load
 
         row.policy = policy = self.engine._policy  # pinned: this request finishes on this version
-        row.cache = DynamicCache()
+        row.cache = new_cache()
         row.filled, layers = self._prefix_lookup(policy, row.prompt_ids)
         for i, (k, v) in enumerate(layers or []):  # the cache holds prompt_ids[:filled]
             row.cache.update(k, v, i)  # DynamicLayer copies them in (torch.cat): the stored KV stays intact
