@@ -9,7 +9,12 @@ decoder's Linear layers; the tied lm_head stays fp32) is faster, but the served 
 then differ from the fp32 weights the trainer holds, which is the train/serve gap clawflow exists
 to avoid. The gap is the mean |log p_int8 − log p_fp32| of the actual next tokens of a real text.
 
+Columns, each a change on the one before: fp32 with transformers' DynamicCache (copies the whole
+cache every step), fp32 with the engine's append-in-place cache (serving/kv_cache.py), and
+bf16-weights (policy/bf16_weights.py, what `serving.dtype: auto` picks where bf16 matmuls are fast).
+
     .venv/bin/python bench/decode_floor.py [--batches 1 8 32 --context 120]
+    .venv/bin/python bench/decode_floor.py --batches 1 8 --context 4096   # an agent's next turn
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ TEXT = ("The Roman Empire grew out of the Roman Republic, and for centuries it r
         "Mediterranean Sea. Its roads, laws and language shaped Europe long after the western half fell in 476. ") * 4
 
 
-def step_time(model, batch: int, context: int, steps: int) -> float:
+def step_time(model, batch: int, context: int, steps: int, append: bool = False) -> float:
     from transformers import DynamicCache
 
+    from clawflow.serving.kv_cache import new_cache
+
     with torch.inference_mode():
-        cache = DynamicCache()
+        cache = new_cache() if append else DynamicCache()
         model(torch.randint(100, 10_000, (batch, context), generator=torch.Generator().manual_seed(0)),
               cache=cache, use_cache=True, logits_to_keep=1)
         last = torch.full((batch, 1), 42)
@@ -66,15 +73,21 @@ def main() -> None:
     from clawflow.config import REPO_ROOT, load_config
 
     path = base_model_dir(load_config(REPO_ROOT / "configs" / "default.yaml"))
+    from clawflow.policy.bf16_weights import bf16_weights
+
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    bf16w = bf16_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
     int8 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     int8.model = torch.ao.quantization.quantize_dynamic(int8.model, {torch.nn.Linear}, dtype=torch.qint8)
 
-    print(f"SmolLM2-135M, {args.threads} threads, KV context {args.context}; decode step on the bare model")
-    print(f"{'batch':>5} {'fp32 ms':>8} {'fp32 tok/s':>10} {'int8 ms':>8} {'int8 tok/s':>10} {'int8 speed-up':>13}")
+    print(f"SmolLM2-135M, {args.threads} threads, KV context {args.context}; decode step on the bare model, ms (tok/s)")
+    print(f"{'batch':>5} {'fp32 DynamicCache':>18} {'fp32 append KV':>16} {'bf16-weights':>14} {'int8 (not shipped)':>19}")
     for b in args.batches:
-        a, q = step_time(fp32, b, args.context, args.steps), step_time(int8, b, args.context, args.steps)
-        print(f"{b:5d} {a * 1e3:8.1f} {b / a:10.1f} {q * 1e3:8.1f} {b / q:10.1f} {a / q:12.2f}x")
+        runs = [step_time(fp32, b, args.context, args.steps), step_time(fp32, b, args.context, args.steps, True),
+                step_time(bf16w, b, args.context, args.steps, True), step_time(int8, b, args.context, args.steps)]
+        cells = [f"{t * 1e3:.1f} ({b / t:.0f})" for t in runs]
+        print(f"{b:5d} {cells[0]:>18} {cells[1]:>16} {cells[2]:>14} {cells[3]:>19}   "
+              f"append {runs[0] / runs[1]:.2f}x, +bf16-weights {runs[0] / runs[2]:.2f}x")
     ids = torch.tensor([AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"]])
     (full_a, a), (full_q, q) = next_token_logprobs(fp32, ids), next_token_logprobs(int8, ids)
     agree = (full_a.argmax(-1) == full_q.argmax(-1)).float().mean()
