@@ -238,7 +238,7 @@ class Batcher:
         row.cache = new_cache()
         row.filled, layers = self._prefix_lookup(policy, row.prompt_ids)
         for i, (k, v) in enumerate(layers or []):  # the cache holds prompt_ids[:filled]
-            row.cache.update(k, v, i)  # DynamicLayer copies them in (torch.cat): the stored KV stays intact
+            row.cache.update(k, v, i)  # copied into the row's own buffer: the stored KV stays intact
         self._prefilling.append(row)
 
     def _prefill(self, row: _Row) -> None:
