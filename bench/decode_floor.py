@@ -11,7 +11,7 @@ to avoid. The gap is the mean |log p_int8 − log p_fp32| of the actual next tok
 
 Columns, each a change on the one before: fp32 with transformers' DynamicCache (copies the whole
 cache every step), fp32 with the engine's append-in-place cache (serving/kv_cache.py), and
-bf16-weights (policy/bf16_weights.py, what `serving.dtype: auto` picks where bf16 matmuls are fast).
+bf16-weights (policy/bf16_weights.py, what the opt-in `serving.dtype: auto` picks where bf16 matmuls are fast).
 
     .venv/bin/python bench/decode_floor.py [--batches 1 8 32 --context 120]
     .venv/bin/python bench/decode_floor.py --batches 1 8 --context 4096   # an agent's next turn

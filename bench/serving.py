@@ -1,7 +1,7 @@
 """Serving benchmark: clawflow's gateway vs `transformers serve` (Hugging Face's own OpenAI server) on
 SmolLM2-135M-Instruct on CPU, 1 / 8 / 32 concurrent streaming clients (real `openai` SDK), one run.
-clawflow serves in the dtype its `serving.dtype: auto` probe picks (printed: bf16-weights where the
-CPU has fast bf16 matmuls, else float32); transformers serve in --tf-dtype (float32 by default).
+clawflow serves in --dtype (default: configs/default.yaml's, float32; `auto` lets its start-up probe
+pick bf16-weights where the CPU has fast bf16 matmuls; printed); transformers serve in --tf-dtype.
 
     .venv/bin/python bench/serving.py                          # ~15 min on 2 cores
     .venv/bin/python bench/serving.py --clients 8 --seconds 20 --rounds 2
@@ -86,7 +86,7 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300
 SERVED: dict[str, str] = {}  # server -> the dtype it served in
 
 
-def start_clawflow(model: str, tmp: Path, fsync: str | None = None) -> Server:
+def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     raw["home"] = str(tmp / "clawflow-home")
@@ -94,6 +94,8 @@ def start_clawflow(model: str, tmp: Path, fsync: str | None = None) -> Server:
     raw["serving"].update(port=port, max_concurrency=32, max_queue=64)
     if fsync:
         raw["store"]["fsync"] = fsync
+    if dtype:
+        raw["serving"]["dtype"] = dtype
     cfg = tmp / "clawflow.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     log = tmp / "clawflow.log"
@@ -298,8 +300,10 @@ def main() -> None:
     ap.add_argument("--fsync", choices=["always", "group", "never"], default=None,
                     help="the recording store's store.fsync (default: configs/default.yaml's)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["plain", "cb", "norec"])
+    ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "bf16-weights"],
+                    help="clawflow's serving.dtype (default: configs/default.yaml's)")
     ap.add_argument("--tf-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="transformers serve's --dtype (clawflow's is its serving.dtype: auto)")
+                    help="transformers serve's --dtype")
     args = ap.parse_args()
 
     model = model_dir()
@@ -307,7 +311,7 @@ def main() -> None:
     print(f"model {model}; logs in {tmp}; load average at start {os.getloadavg()}", flush=True)
     servers: dict[str, Server] = {}
     try:
-        servers["clawflow (recording)"] = ours = start_clawflow(model, tmp, args.fsync)
+        servers["clawflow (recording)"] = ours = start_clawflow(model, tmp, args.fsync, args.dtype)
         if "norec" not in args.skip:
             servers["clawflow (no recording)"] = unrecorded(ours)
         if "cb" not in args.skip:

@@ -51,6 +51,12 @@ def test_serving_dtype_from_config(make_config, tiny_model_dir, monkeypatch):
     assert serving_dtype(explicit, tiny_model_dir) == "float32"  # model.dtype written down: honoured
 
 
+def test_default_serves_float32_without_probing(make_config, tiny_model_dir, monkeypatch):
+    # the eval gate measures helpfulness in fp32: the default serves what it measured
+    monkeypatch.setattr(dtype_probe, "probe", lambda *a: pytest.fail("probed"))
+    assert serving_dtype(make_config(), tiny_model_dir) == "float32"
+
+
 def test_gateway_reports_its_dtype(served):
     cfg, _ = served
     assert httpx.get(f"{cfg.gateway_url}/admin/policy", headers=admin(cfg)).json()["dtype"] == "float32"
