@@ -29,7 +29,7 @@ class BF16Linear(torch.nn.Linear):
 
 
 def _convert(linear: torch.nn.Linear) -> BF16Linear:
-    new = BF16Linear.__new__(BF16Linear)
+    new = BF16Linear.__new__(BF16Linear)  # Linear.__init__ would allocate and init a weight to drop
     torch.nn.Module.__init__(new)
     new.in_features, new.out_features = linear.in_features, linear.out_features
     # a new Parameter: a weight tied to the embedding (the lm_head) is untied, the embedding stays fp32
