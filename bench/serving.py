@@ -86,7 +86,8 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300
 SERVED: dict[str, str] = {}  # server -> the dtype it served in
 
 
-def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str | None = None) -> Server:
+def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str | None = None,
+                   linear_kernel: str | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     raw["home"] = str(tmp / "clawflow-home")
@@ -96,6 +97,8 @@ def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str |
         raw["store"]["fsync"] = fsync
     if dtype:
         raw["serving"]["dtype"] = dtype
+    if linear_kernel:
+        raw["serving"]["linear_kernel"] = linear_kernel
     cfg = tmp / "clawflow.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     log = tmp / "clawflow.log"
@@ -103,7 +106,8 @@ def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str |
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_ready(f"http://127.0.0.1:{port}/healthz", proc, log)
     policy = httpx.get(f"http://127.0.0.1:{port}/admin/policy", headers={"Authorization": "Bearer clawflow-admin"})
-    SERVED["clawflow"] = policy.json().get("dtype", "?")
+    served = policy.json()
+    SERVED["clawflow"] = f'{served.get("dtype", "?")} (linear kernel {served.get("linear_kernel", "?")})'
     return Server("clawflow (recording)", proc, f"http://127.0.0.1:{port}/v1", raw["serving"].get("api_key", "clawflow"),
                   "smollm2-135m-instruct")
 
@@ -304,6 +308,8 @@ def main() -> None:
                     help="clawflow's serving.dtype (default: configs/default.yaml's)")
     ap.add_argument("--tf-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="transformers serve's --dtype")
+    ap.add_argument("--linear-kernel", default=None, choices=["auto", "onednn", "aten"],
+                    help="clawflow's serving.linear_kernel (default: configs/default.yaml's)")
     args = ap.parse_args()
 
     model = model_dir()
@@ -311,7 +317,7 @@ def main() -> None:
     print(f"model {model}; logs in {tmp}; load average at start {os.getloadavg()}", flush=True)
     servers: dict[str, Server] = {}
     try:
-        servers["clawflow (recording)"] = ours = start_clawflow(model, tmp, args.fsync, args.dtype)
+        servers["clawflow (recording)"] = ours = start_clawflow(model, tmp, args.fsync, args.dtype, args.linear_kernel)
         if "norec" not in args.skip:
             servers["clawflow (no recording)"] = unrecorded(ours)
         if "cb" not in args.skip:

@@ -142,3 +142,23 @@ def test_gateway_reloads_an_adapter_directory(make_config, lora_run):
                           json={"model": cfg.model.name, "messages": [{"role": "user", "content": "hi"}],
                                 "max_tokens": 3})
         assert chat.status_code == 200 and chat.json()["system_fingerprint"] == "policy-v7"
+
+
+def test_lora_adapter_rides_on_the_packed_base(tiny_model_dir, lora_run):
+    from clawflow.policy.packed_linear import PackedLinear
+
+    tmp, _, rows, _ = lora_run
+    engine = TorchEngine(tiny_model_dir, prefix_cache_tokens=0, linear_kernel="onednn")
+    try:
+        engine.reload(str(tmp / "v1"), 1)
+        bases = [m.base_layer for m in engine._policy.model.modules() if hasattr(m, "lora_A")]
+        assert bases and all(type(b) is PackedLinear for b in bases)
+        want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                         tmp / "v1").eval()
+        row = rows[0]
+        with torch.inference_mode():  # as the engine runs it: the packed path
+            got = sum(engine.score(row["prompt_token_ids"], row["response_token_ids"]))
+        exact = response_logprob(want, row["prompt_token_ids"], row["response_token_ids"])
+        assert got == pytest.approx(exact, abs=1e-3)  # fp32 either way
+    finally:
+        engine.close()

@@ -185,6 +185,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
         answer = {"version": gw.engine.policy_version, "path": gw.engine.model_path, "model": gw.cfg.model.name}
         if gw.engine.dtype is not None:  # torch engine: what serving.dtype settled on
             answer["dtype"] = gw.engine.dtype
+            answer["linear_kernel"] = gw.engine.linear_kernel
         return answer
 
     @app.post("/admin/reload", dependencies=[Depends(require_admin)])

@@ -31,6 +31,9 @@ from clawflow.serving.generation import Generation, ReloadError, SamplingParams,
 
 log = logging.getLogger("clawflow.engine")
 
+# serving.linear_kernel auto packs only when the decode step is clearly faster (noise could flip less)
+PACK_MIN_SPEEDUP = 1.1
+
 
 @dataclass(frozen=True)
 class _Policy:
@@ -43,7 +46,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
     def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
                  prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0,
-                 prefill_chunk_tokens: int = 512):
+                 prefill_chunk_tokens: int = 512, linear_kernel: str = "auto"):
         from transformers import AutoTokenizer
 
         if threads:
@@ -51,6 +54,9 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.dtype = dtype  # the setting served in: float32, bfloat16 or bf16-weights
         # bf16-weights: loaded in fp32, then its Linear weights stored in bf16 (policy/bf16_weights.py)
         self._load_dtype = torch.float32 if dtype == "bf16-weights" else getattr(torch, dtype)
+        # fp32 Linears on oneDNN-prepacked weights (policy/packed_linear.py): onednn, aten, or auto
+        # (timed on the first model loaded); settled to onednn or aten by then
+        self.linear_kernel = linear_kernel
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
         self._policy = _Policy(self._load(model_path), version, str(model_path))
@@ -70,7 +76,26 @@ class TorchEngine:  # an `engine_protocol.Engine`
             return self._load_adapter(path)
         # strict: transformers fills missing weights with random ones: never serve that
         model = load_policy(path, self._load_dtype, strict=True).eval()
-        return bf16_weights(model) if self.dtype == "bf16-weights" else model
+        return bf16_weights(model) if self.dtype == "bf16-weights" else self._pack(model)
+
+    def _pack(self, model):
+        """`model` on prepacked fp32 weights where that was measured (or set) to be faster."""
+        from clawflow.policy import packed_linear
+
+        if self._load_dtype != torch.float32 or self.linear_kernel == "aten":
+            return model
+        if not packed_linear.available():
+            if self.linear_kernel == "onednn":
+                log.warning("serving.linear_kernel onednn: this torch has no oneDNN prepacked linear; using aten")
+            self.linear_kernel = "aten"
+            return model
+        if self.linear_kernel == "auto":  # once, on the first model: the machine does not change
+            gain = packed_linear.speedup(model)
+            self.linear_kernel = "onednn" if gain >= PACK_MIN_SPEEDUP else "aten"
+            log.info("linear kernel: oneDNN packed %.2fx the aten decode step -> %s", gain, self.linear_kernel)
+        if self.linear_kernel == "onednn":
+            packed_linear.pack_linears(model)
+        return model
 
     def _load_adapter(self, path: str):
         """Base weights shared with a cached base model (never modified) + this adapter, unmerged."""

@@ -29,6 +29,7 @@ class EngineStats:
 class Engine(Protocol):
     tokenizer: Any  # the model's transformers tokenizer (logprobs spell each token with it)
     dtype: str | None  # float32, bfloat16 or bf16-weights; None where the engine settles it itself (SGLang)
+    linear_kernel: str | None  # onednn or aten (fp32 Linears, torch engine); None where it does not apply
     last_rewarm: dict | None  # what the last reload's re-warm did (its /admin/reload answer); None: none
 
     @property

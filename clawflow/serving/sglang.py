@@ -49,6 +49,7 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         self._limit, self._outstanding, self._lock = max_batch + max_queue, 0, threading.Lock()
         self.eos_ids = {self.tokenizer.eos_token_id}
         self.dtype = None  # SGLang settles its own (its --dtype)
+        self.linear_kernel = None  # and its own kernels
         self.last_rewarm: dict | None = None  # no re-warm here: SGLang manages its own cache
         # "raw" | "scaled" | None (not measured yet: the server was unreachable or the probe undecided)
         self.logprobs_kind: str | None = None

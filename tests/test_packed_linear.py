@@ -1,0 +1,101 @@
+"""Prepacked fp32 Linears (policy/packed_linear.py): the same Parameters (tied weights stay tied),
+oneDNN's packed kernel used under inference mode with fp32 results, the plain path under autograd, a
+weight changed in place packed again; an engine that packs serves the same tokens as one that does
+not, across a reload; `auto` settles on a kernel (a LoRA adapter on the packed base: test_train_lora.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import profile
+from transformers import AutoModelForCausalLM
+
+from clawflow.policy import packed_linear
+from clawflow.policy.packed_linear import PackedLinear, pack_linears, unpack_linears
+from clawflow.serving.engine import SamplingParams, TorchEngine
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch has no oneDNN prepacked linear")
+
+IDS = torch.tensor([[1, 9690, 198, 2683, 314, 4093, 28], [1, 2683, 314, 9690, 198, 28, 4093]])
+
+
+def _ops(fn) -> set[str]:
+    with profile() as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_packed_model_keeps_its_parameters_and_computes_the_same(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    params = {n: p for n, p in model.named_parameters()}
+    with torch.inference_mode():
+        want = model(IDS).logits
+    n = pack_linears(model)
+    assert n == sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)) and n > 0
+    assert all(type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert {n: p for n, p in model.named_parameters()} == params  # the very same Parameter objects
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.inference_mode():
+        assert "mkldnn::_linear_pointwise" in _ops(lambda: model(IDS))
+        got = model(IDS).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+    # autograd on (training): the plain path, gradients flow
+    assert "mkldnn::_linear_pointwise" not in _ops(lambda: model(IDS).logits.sum().backward())
+    assert model.lm_head.weight.grad is not None
+
+    # a weight changed in place is packed again before it is used
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight), atol=1e-5)
+
+    unpack_linears(model)
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert not any(hasattr(m, "_packed") for m in model.modules())
+
+
+def test_only_fp32_linears_are_packed(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    assert pack_linears(model) == 0
+    assert packed_linear.speedup(model) == 0.0
+
+
+def test_speedup_is_measured_and_leaves_the_model_unpacked(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    gain = packed_linear.speedup(model, reps=1)
+    assert gain > 0
+    assert not any(type(m) is PackedLinear for m in model.modules())
+
+
+def test_engine_on_packed_weights_serves_what_aten_serves(tiny_model_dir):
+    packed = TorchEngine(tiny_model_dir, prefix_cache_tokens=0, linear_kernel="onednn")
+    plain = TorchEngine(tiny_model_dir, prefix_cache_tokens=0, linear_kernel="aten")
+    try:
+        assert packed.linear_kernel == "onednn" and type(packed._policy.model.lm_head) is PackedLinear
+        assert plain.linear_kernel == "aten" and type(plain._policy.model.lm_head) is torch.nn.Linear
+        prompt = packed.encode_chat([{"role": "user", "content": "hi there"}])
+        params = SamplingParams(max_new_tokens=12, temperature=0.0)
+        a, b = packed.generate(prompt, params), plain.generate(prompt, params)
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        packed.reload(tiny_model_dir, 1)  # a reload packs the new model too
+        assert packed.policy_version == 1 and type(packed._policy.model.lm_head) is PackedLinear
+        assert packed.generate(prompt, params).token_ids == b.token_ids
+    finally:
+        packed.close()
+        plain.close()
+
+
+def test_auto_settles_on_one_kernel(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, prefix_cache_tokens=0, linear_kernel="auto")
+    try:
+        assert engine.linear_kernel in {"onednn", "aten"}
+        packed = type(engine._policy.model.lm_head) is PackedLinear
+        assert packed == (engine.linear_kernel == "onednn")
+    finally:
+        engine.close()
+
