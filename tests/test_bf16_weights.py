@@ -35,14 +35,14 @@ def test_engine_serves_and_reloads_in_bf16_weights(tiny_model_dir):
     engine = TorchEngine(tiny_model_dir, dtype="bf16-weights", prefix_cache_tokens=0)
     ref = TorchEngine(tiny_model_dir, prefix_cache_tokens=0)
     try:
-        assert engine.dtype == "bf16-weights" and type(engine._policy.model.lm_head) is BF16Linear
+        assert engine.dtype == "bf16-weights" and isinstance(engine._policy.model.lm_head, BF16Linear)
         prompt = engine.encode_chat([{"role": "user", "content": "hi"}])
         g = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
         assert len(g.token_ids) >= 1 and all(lp <= 0 for lp in g.logprobs)
         exact = ref.score(prompt, g.token_ids)
         assert max(abs(a - b) for a, b in zip(g.logprobs, exact)) < 0.1  # what TIS corrects: small
         engine.reload(tiny_model_dir, 1)
-        assert engine.policy_version == 1 and type(engine._policy.model.lm_head) is BF16Linear
+        assert engine.policy_version == 1 and isinstance(engine._policy.model.lm_head, BF16Linear)
     finally:
         engine.close()
         ref.close()

@@ -99,3 +99,34 @@ def test_auto_settles_on_one_kernel(tiny_model_dir):
     finally:
         engine.close()
 
+
+
+def test_bf16_weights_are_packed_as_bf16(tiny_model_dir):
+    from clawflow.policy.bf16_weights import BF16Linear, bf16_weights
+    from clawflow.policy.packed_linear import PackedBF16Linear
+
+    model = bf16_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval())
+    with torch.inference_mode():
+        want = model(IDS).logits
+    assert pack_linears(model) > 0
+    assert all(type(m) is PackedBF16Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with torch.inference_mode():
+        assert "mkldnn::_linear_pointwise" in _ops(lambda: model(IDS))
+        got = model(IDS).logits
+    assert got.dtype == torch.float32  # activations stay fp32
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)  # the same bf16 products, another accumulation order
+    unpack_linears(model)
+    assert all(type(m) is BF16Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_bf16_weights_engine_packs_when_told(tiny_model_dir):
+    from clawflow.policy.packed_linear import PackedBF16Linear
+
+    engine = TorchEngine(tiny_model_dir, dtype="bf16-weights", prefix_cache_tokens=0, linear_kernel="onednn")
+    try:
+        assert type(engine._policy.model.lm_head) is PackedBF16Linear
+        prompt = engine.encode_chat([{"role": "user", "content": "hi"}])
+        g = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
+        assert len(g.token_ids) >= 1 and all(lp <= 0 for lp in g.logprobs)
+    finally:
+        engine.close()

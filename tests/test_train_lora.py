@@ -114,7 +114,7 @@ def test_bf16_weights_engine_serves_the_adapter_in_fp32_on_bf16_base_weights(tin
         lora = [p for n, p in model.named_parameters() if "lora_" in n]
         assert lora and all(p.dtype == torch.float32 for p in lora)  # the adapter as the trainer holds it
         bases = [m.base_layer for m in model.modules() if hasattr(m, "lora_A")]
-        assert bases and all(type(b) is BF16Linear and b.weight.dtype == torch.bfloat16 for b in bases)
+        assert bases and all(isinstance(b, BF16Linear) and b.weight.dtype == torch.bfloat16 for b in bases)
         want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                          tmp / "v1").eval()
         row = rows[0]
@@ -156,8 +156,7 @@ def test_lora_adapter_rides_on_the_packed_base(tiny_model_dir, lora_run):
         want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                          tmp / "v1").eval()
         row = rows[0]
-        with torch.inference_mode():  # as the engine runs it: the packed path
-            got = sum(engine.score(row["prompt_token_ids"], row["response_token_ids"]))
+        got = sum(engine.score(row["prompt_token_ids"], row["response_token_ids"]))  # under inference mode
         exact = response_logprob(want, row["prompt_token_ids"], row["response_token_ids"])
         assert got == pytest.approx(exact, abs=1e-3)  # fp32 either way
     finally:

@@ -67,8 +67,8 @@ def time_model(model: Any, reps: int = 2, context: int = CONTEXT) -> tuple[float
 
 def measure(path: str, context: int = CONTEXT) -> dict[str, float]:
     """bf16-weights' speed-up over fp32 (fp32 seconds / its seconds) for the model at `path`, in this process.
-    fp32 is timed on prepacked weights too where oneDNN has them, and the faster fp32 counts: the
-    engine serves fp32 that way where it pays (policy/packed_linear.py)."""
+    Each is timed on prepacked weights too where oneDNN has them, and its faster way counts: the
+    engine serves either that way where it pays (policy/packed_linear.py)."""
     from clawflow.policy import packed_linear
     from clawflow.policy.bf16_weights import bf16_weights
     from clawflow.policy.loader import load_policy
@@ -80,6 +80,9 @@ def measure(path: str, context: int = CONTEXT) -> dict[str, float]:
         packed_linear.unpack_linears(model)
         fp32 = (min(fp32[0], packed[0]), min(fp32[1], packed[1]))
     bf16 = time_model(bf16_weights(model), context=context)
+    if packed_linear.available() and packed_linear.pack_linears(model):
+        packed = time_model(model, context=context)
+        bf16 = (min(bf16[0], packed[0]), min(bf16[1], packed[1]))
     return {"prefill_speedup": fp32[0] / bf16[0], "decode_speedup": fp32[1] / bf16[1]}
 
 

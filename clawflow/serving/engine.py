@@ -76,10 +76,11 @@ class TorchEngine:  # an `engine_protocol.Engine`
             return self._load_adapter(path)
         # strict: transformers fills missing weights with random ones: never serve that
         model = load_policy(path, self._load_dtype, strict=True).eval()
-        return bf16_weights(model) if self.dtype == "bf16-weights" else self._pack(model)
+        return self._pack(bf16_weights(model) if self.dtype == "bf16-weights" else model)
 
     def _pack(self, model):
-        """`model` on prepacked fp32 weights where that was measured (or set) to be faster."""
+        """`model` on prepacked Linear weights (fp32, or bf16-weights' bf16) where that was measured
+        (or set) to be faster."""
         from clawflow.policy import packed_linear
 
         if self._load_dtype != torch.float32 or self.linear_kernel == "aten":
@@ -209,5 +210,6 @@ class TorchEngine:  # an `engine_protocol.Engine`
         """Log-probabilities of a fixed reply under the serving policy (evaluation, tests)."""
         from clawflow.policy.logprobs import response_logprobs
 
-        return response_logprobs(self._policy.model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
+        with torch.inference_mode():  # evaluation: no graph, and the serving kernels
+            return response_logprobs(self._policy.model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
 
