@@ -12,8 +12,8 @@ to avoid. The gap is the mean |log p_int8 − log p_fp32| of the actual next tok
 Columns, each a change on the one before: fp32 with transformers' DynamicCache (copies the whole
 cache every step), fp32 with the engine's append-in-place cache (serving/kv_cache.py), fp32 on
 oneDNN-prepacked Linear weights (policy/packed_linear.py: what the default serves where its
-start-up timing finds it faster), and bf16-weights (policy/bf16_weights.py, what the opt-in
-`serving.dtype: auto` picks where bf16 matmuls are fast).
+start-up timing finds it faster), and bf16-weights, packed too (policy/bf16_weights.py, what the
+opt-in `serving.dtype: auto` picks where bf16 matmuls are fast).
 
     .venv/bin/python bench/decode_floor.py [--batches 1 8 32 --context 120]
     .venv/bin/python bench/decode_floor.py --batches 1 8 --context 4096   # an agent's next turn
@@ -82,19 +82,20 @@ def main() -> None:
     packed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pack_linears(packed)
     bf16w = bf16_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    pack_linears(bf16w)
     int8 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     int8.model = torch.ao.quantization.quantize_dynamic(int8.model, {torch.nn.Linear}, dtype=torch.qint8)
 
     print(f"SmolLM2-135M, {args.threads} threads, KV context {args.context}; decode step on the bare model, ms (tok/s)")
     print(f"{'batch':>5} {'fp32 DynamicCache':>18} {'fp32 append KV':>16} {'+ packed Linears':>17} "
-          f"{'bf16-weights':>14} {'int8 (not shipped)':>19}")
+          f"{'bf16-w. packed':>14} {'int8 (not shipped)':>19}")
     for b in args.batches:
         runs = [step_time(fp32, b, args.context, args.steps), step_time(fp32, b, args.context, args.steps, True),
                 step_time(packed, b, args.context, args.steps, True),
                 step_time(bf16w, b, args.context, args.steps, True), step_time(int8, b, args.context, args.steps)]
         cells = [f"{t * 1e3:.1f} ({b / t:.0f})" for t in runs]
         print(f"{b:5d} {cells[0]:>18} {cells[1]:>16} {cells[2]:>17} {cells[3]:>14} {cells[4]:>19}   "
-              f"append {runs[0] / runs[1]:.2f}x, +packed {runs[0] / runs[2]:.2f}x, bf16-weights {runs[0] / runs[3]:.2f}x")
+              f"append {runs[0] / runs[1]:.2f}x, +packed {runs[0] / runs[2]:.2f}x, bf16-weights packed {runs[0] / runs[3]:.2f}x")
     ids = torch.tensor([AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"]])
     (full_a, a), (full_q, q) = next_token_logprobs(fp32, ids), next_token_logprobs(int8, ids)
     agree = (full_a.argmax(-1) == full_q.argmax(-1)).float().mean()
