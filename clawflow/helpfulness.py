@@ -193,10 +193,15 @@ def load_model(model_dir: str | Path):
 
     from clawflow.policy.loader import load_policy, weights_dir
 
+    from clawflow.policy.packed_linear import pack_if_faster
+
     path = Path(model_dir)
-    model = load_policy(path, torch.float32, merge=True)
+    model = load_policy(path, torch.float32, merge=True).eval()
+    # the serving engine's fp32 kernels where they are faster: SmolLM2-135M's 81 greedy answers came
+    # out identical and 1.55x faster (21.7 -> 14.0 s on 2 cores)
+    pack_if_faster(model)
     has_tokenizer = any(path.glob("tokenizer*"))
-    return model.eval(), AutoTokenizer.from_pretrained(path if has_tokenizer else weights_dir(path))
+    return model, AutoTokenizer.from_pretrained(path if has_tokenizer else weights_dir(path))
 
 
 def cache_key(model_dir: str | Path, questions: list[Question], max_new_tokens: int) -> str:

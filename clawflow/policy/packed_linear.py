@@ -117,6 +117,9 @@ def _step_seconds(model: Any, rows: int, reps: int) -> float:
     return best
 
 
+MIN_SPEEDUP = 1.1  # packing is chosen only when clearly faster (noise could flip less)
+
+
 def speedup(model: Any, rows: tuple[int, ...] = (1, 8), reps: int = 3) -> float:
     """How much faster `model`'s decode steps run on packed weights (plain seconds / packed seconds,
     summed over `rows`), measured here and now; `model` is left unpacked. ~1 s for SmolLM2-135M."""
@@ -130,3 +133,8 @@ def speedup(model: Any, rows: tuple[int, ...] = (1, 8), reps: int = 3) -> float:
     finally:
         unpack_linears(model)
     return plain / packed
+
+
+def pack_if_faster(model: Any) -> bool:
+    """Pack `model` when `speedup` measures it clearly faster here; whether it did."""
+    return speedup(model) >= MIN_SPEEDUP and pack_linears(model) > 0

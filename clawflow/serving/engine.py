@@ -31,9 +31,6 @@ from clawflow.serving.generation import Generation, ReloadError, SamplingParams,
 
 log = logging.getLogger("clawflow.engine")
 
-# serving.linear_kernel auto packs only when the decode step is clearly faster (noise could flip less)
-PACK_MIN_SPEEDUP = 1.1
-
 
 @dataclass(frozen=True)
 class _Policy:
@@ -92,7 +89,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             return model
         if self.linear_kernel == "auto":  # once, on the first model: the machine does not change
             gain = packed_linear.speedup(model)
-            self.linear_kernel = "onednn" if gain >= PACK_MIN_SPEEDUP else "aten"
+            self.linear_kernel = "onednn" if gain >= packed_linear.MIN_SPEEDUP else "aten"
             log.info("linear kernel: oneDNN packed %.2fx the aten decode step -> %s", gain, self.linear_kernel)
         if self.linear_kernel == "onednn":
             packed_linear.pack_linears(model)
