@@ -192,7 +192,6 @@ def load_model(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     from clawflow.policy.loader import load_policy, weights_dir
-
     from clawflow.policy.packed_linear import pack_if_faster
 
     path = Path(model_dir)

@@ -98,9 +98,10 @@ class ServingConfig(_Strict):
     # bf16-weights (serving/dtype_probe.py) and serves bf16-weights where it is clearly faster:
     # speed over the gate's guarantee, opt-in. An explicit model.dtype is honoured under auto.
     dtype: Literal["auto", "float32", "bfloat16", "bf16-weights"] = "float32"
-    # torch engine, fp32: Linear layers on oneDNN-prepacked weights (policy/packed_linear.py), still
-    # fp32 math; MKL's sgemm is slow for a decode step's few rows (2.2x at 8 streams on an AVX512
-    # EPYC). auto: a ~1 s start-up timing of the model's decode step picks onednn where it is faster.
+    # torch engine: Linear layers on oneDNN-prepacked weights (policy/packed_linear.py), the same
+    # fp32 math (bf16 under bf16-weights); MKL's sgemm is slow for a decode step's few rows (1.9x per
+    # step at 8 streams on an AVX512 EPYC). auto: a ~1 s start-up timing of the model's decode step
+    # picks onednn where it is faster.
     linear_kernel: Literal["auto", "onednn", "aten"] = "auto"
 
 

@@ -51,8 +51,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.dtype = dtype  # the setting served in: float32, bfloat16 or bf16-weights
         # bf16-weights: loaded in fp32, then its Linear weights stored in bf16 (policy/bf16_weights.py)
         self._load_dtype = torch.float32 if dtype == "bf16-weights" else getattr(torch, dtype)
-        # fp32 Linears on oneDNN-prepacked weights (policy/packed_linear.py): onednn, aten, or auto
-        # (timed on the first model loaded); settled to onednn or aten by then
+        # Linears on oneDNN-prepacked weights (fp32, or bf16-weights' bf16; policy/packed_linear.py):
+        # onednn, aten, or auto (timed on the first model loaded); settled to onednn or aten by then
         self.linear_kernel = linear_kernel
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
