@@ -42,6 +42,7 @@ from clawflow.config import ConfigError, TrainConfig, load_config
 from clawflow.policy.loader import load_policy as load_full_policy
 from clawflow.policy.loader import tokenizer_for
 from clawflow.policy.logprobs import response_logprobs
+from clawflow.policy.packed_linear import pack_if_faster, unpack_linears
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
 from clawflow.train import optim, precision
@@ -125,19 +126,27 @@ class Recipe:
         done = self.cache.setdefault("rewrite", {})
         missing = [it for it in todo if it.index not in done]
         tok = tokenizer_for(self.base_dir)  # the one the plan used (train/plan.py), not loaded again
-        if missing and self.cfg.rewrite_hints == "strongest":
-            self.use_strongest_hint(model, missing, tok)
-        if missing:
-            t0 = time.monotonic()
-            if self.cfg.rewrite_samples or self.cfg.rewrite_guidance:
-                replies = self.best_of_n(model, missing, tok) if self.rank == 0 else []
-            else:
-                replies = generate_rewrites(model, [it.teacher_prompt for it in missing], self.cfg.rewrite_max_tokens,
-                                            eos_token_ids(model), self.pad_id)
-            replies = D.broadcast_from_rank0(replies)
-            done.update(zip((it.index for it in missing), replies))
-            self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with hints "
-                      f"in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} tokens)")
+        # generation is decode-bound: on CPU, the serving engine's packed fp32 Linears where they are
+        # faster (policy/packed_linear.py; the same fp32 math), unpacked before training
+        packed = bool(missing) and self.device.type == "cpu" and pack_if_faster(model)
+        try:
+            if missing and self.cfg.rewrite_hints == "strongest":
+                self.use_strongest_hint(model, missing, tok)
+            if missing:
+                t0 = time.monotonic()
+                if self.cfg.rewrite_samples or self.cfg.rewrite_guidance:
+                    replies = self.best_of_n(model, missing, tok) if self.rank == 0 else []
+                else:
+                    replies = generate_rewrites(model, [it.teacher_prompt for it in missing],
+                                                self.cfg.rewrite_max_tokens, eos_token_ids(model), self.pad_id)
+                replies = D.broadcast_from_rank0(replies)
+                done.update(zip((it.index for it in missing), replies))
+                self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with "
+                          f"hints in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} "
+                          f"tokens{', packed Linears' if packed else ''})")
+        finally:
+            if packed:
+                unpack_linears(model)
         eos, off = eos_token_ids(model), set()
         for it in todo:
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
