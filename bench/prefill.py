@@ -10,7 +10,7 @@ OpenClaw-shaped prompt (bench/agent_prompt.py, ~7.4k tokens). Per setting, side 
 - stall: a short chat streams (sampled, seeded, up to 400 tokens) while the agent prompt arrives; the longest gap
   between two of its tokens, and its tokens during the agent prompt's prefill.
 
-    .venv/bin/python bench/prefill.py [--chunks 0,512,1024] [--prompt-tokens 7400]
+    .venv/bin/python bench/prefill.py [--chunks 0,512,1024] [--prompt-tokens 7400] [--kernels aten,onednn]
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def prefill_flops(model, n: int) -> float:
     return 2 * params * n + 2 * 2 * c.num_hidden_layers * c.hidden_size * n * n / 2 + 2 * c.vocab_size * c.hidden_size
 
 
-def run(path: str, chunk: int, agent: list[int], chat: list[int]) -> dict:
-    engine = TorchEngine(path, max_batch=4, prefix_cache_tokens=0, rewarm_tokens=0, prefill_chunk_tokens=chunk)
+def run(path: str, chunk: int, agent: list[int], chat: list[int], kernel: str = "auto") -> dict:
+    engine = TorchEngine(path, max_batch=4, prefix_cache_tokens=0, rewarm_tokens=0, prefill_chunk_tokens=chunk,
+                         linear_kernel=kernel)
     try:
         engine.generate(chat, SamplingParams(max_new_tokens=4))  # warm-up
         t0 = time.perf_counter()
@@ -63,7 +64,7 @@ def run(path: str, chunk: int, agent: list[int], chat: list[int]) -> dict:
         gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > t1 - 0.5]
         return {"cold_s": cold, "stall_s": max(gaps) if gaps else float("nan"),
                 "during": sum(t1 <= s <= t2 for s in stamps), "prefill_s": t2 - t1,
-                "model": engine._policy.model}
+                "model": engine._policy.model, "kernel": engine.linear_kernel}
     finally:
         engine.close()
 
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--chunks", default="0,512,1024", help="prefill_chunk_tokens settings (0 = whole prompt)")
     ap.add_argument("--prompt-tokens", type=int, default=7400)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", default="auto", help="serving.linear_kernel settings, e.g. aten,onednn")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = str(base_model_dir(load_config()))
@@ -86,12 +88,12 @@ def main() -> None:
                                    add_generation_prompt=True, tokenize=True, return_dict=False)
     peak = max(matmul_peak_flops("cpu", torch.float32, n, seconds=2.0) for n in (1024, 2048))
     print(f"agent prompt {len(agent)} tokens, {args.threads} threads, fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'chunk':>6s} {'cold s':>7s} {'tok/s':>7s} {'MFU':>6s} | {'stall s':>8s} {'tokens during':>13s} "
+    print(f"{'kernel':>7s} {'chunk':>6s} {'cold s':>7s} {'tok/s':>7s} {'MFU':>6s} | {'stall s':>8s} {'tokens during':>13s} "
           f"{'prefill s (busy)':>16s}")
-    for chunk in (int(c) for c in args.chunks.split(",")):
-        r = run(path, chunk, agent, chat)
+    for chunk, kernel in ((int(c), k) for c in args.chunks.split(",") for k in args.kernels.split(",")):
+        r = run(path, chunk, agent, chat, kernel)
         mfu = prefill_flops(r["model"], len(agent)) / r["cold_s"] / peak
-        print(f"{chunk:6d} {r['cold_s']:7.2f} {len(agent) / r['cold_s']:7.0f} {mfu:6.1%} | {r['stall_s']:8.2f} "
+        print(f"{r['kernel']:>7s} {chunk:6d} {r['cold_s']:7.2f} {len(agent) / r['cold_s']:7.0f} {mfu:6.1%} | {r['stall_s']:8.2f} "
               f"{r['during']:13d} {r['prefill_s']:16.2f}", flush=True)
 
 
