@@ -134,9 +134,13 @@ def test_bf16_weights_engine_packs_when_told(tiny_model_dir):
 
 def test_pack_if_faster_packs_exactly_when_it_measures_a_gain(tiny_model_dir, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    monkeypatch.setattr(packed_linear, "_verdicts", {})
     monkeypatch.setattr(packed_linear, "speedup", lambda m: 1.0)  # not faster here: stays plain
     assert not packed_linear.pack_if_faster(model)
     assert not any(type(m) is PackedLinear for m in model.modules())
+    monkeypatch.setattr(packed_linear, "speedup", lambda m: pytest.fail("measured twice"))
+    assert not packed_linear.pack_if_faster(model)  # the verdict is kept for this model shape
+    monkeypatch.setattr(packed_linear, "_verdicts", {})
     monkeypatch.setattr(packed_linear, "speedup", lambda m: 1.5)
     assert packed_linear.pack_if_faster(model)
     assert type(model.lm_head) is PackedLinear

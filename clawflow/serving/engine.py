@@ -87,11 +87,9 @@ class TorchEngine:  # an `engine_protocol.Engine`
                 log.warning("serving.linear_kernel onednn: this torch has no oneDNN prepacked linear; using aten")
             self.linear_kernel = "aten"
             return model
-        if self.linear_kernel == "auto":  # once, on the first model: the machine does not change
-            gain = packed_linear.speedup(model)
-            self.linear_kernel = "onednn" if gain >= packed_linear.MIN_SPEEDUP else "aten"
-            log.info("linear kernel: oneDNN packed %.2fx the aten decode step -> %s", gain, self.linear_kernel)
-        if self.linear_kernel == "onednn":
+        if self.linear_kernel == "auto":  # settled on the first model: the machine does not change
+            self.linear_kernel = "onednn" if packed_linear.pack_if_faster(model) else "aten"
+        elif self.linear_kernel == "onednn":
             packed_linear.pack_linears(model)
         return model
 
