@@ -7,12 +7,15 @@ importance ratio needs) and it samples every request with one global RNG (no per
 So this is a compact left-padded decoder over a `DynamicCache` whose layers append in place
 (clawflow/serving/kv_cache.py):
 
-- a request is admitted between steps and prefilled alone (batch 1); while other requests are
-  decoding or prefilling, in chunks of `prefill_chunk` tokens, one chunk per loop iteration between
-  the decode steps (chunked prefill: an agent's 8k-token prompt no longer stalls the other streams
-  for its whole prefill, and a short prompt admitted behind it is prefilled in the next
-  iteration), else whole (faster alone); then its first token is sampled and its KV cache
-  left-padded (or the batch's is) to a common length and concatenated into the batch;
+- a request is admitted between steps and prefilled; while other requests are decoding or
+  prefilling, in chunks of `prefill_chunk` tokens, one chunk per loop iteration (chunked prefill:
+  an agent's 8k-token prompt no longer stalls the other streams for its whole prefill, and a short
+  prompt admitted behind it is prefilled in the next iteration), else whole (faster alone). For a
+  Llama-family model (clawflow/serving/fused_step.py) an iteration is one forward per policy: its
+  batch's decode step and a chunk of each of its prompts ride together, so the weights are read
+  once (other models: transformers' forward, each prompt alone, then the batch). Once a prompt is
+  whole its first token is sampled and its KV cache left-padded (or the batch's is) to a common
+  length and concatenated into the batch;
 - every step decodes one token for every row (attention mask hides each row's padding, position
   ids count each row's real tokens), samples each row with its own `torch.Generator`, and records
   the log-softmax of the raw logits at the sampled token;
@@ -43,6 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
+from clawflow.serving import fused_step
 from clawflow.serving.generation import Generation, QueueFull, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
 from clawflow.serving.rewarm import BUSY_CHUNK, WHOLE, RewarmJob, RewarmResult
@@ -103,6 +107,7 @@ class Batcher:
         self._batches: dict[int, _Batch] = {}
         self._running = 0  # admitted and not finished (prefilling or in a batch)
         self.aborted = 0  # requests stopped early because their client went away
+        self.fused_chunks = 0  # prompt chunks prefilled inside a decode step (serving/fused_step.py)
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="clawflow-decode", daemon=True)
@@ -205,10 +210,16 @@ class Batcher:
                 t0 = time.perf_counter()
                 for row in admit:
                     self._guard([row], lambda r=row: self._start(r))
-                for row in list(self._prefilling):  # one chunk each, then every batch decodes a token
-                    self._guard([row], lambda r=row: self._prefill(r))
+                for policy, batch, riders in self._work():
+                    if fused_step.supports(policy.model):  # one forward: the batch's token and every chunk
+                        self._guard((batch.rows if batch else []) + riders,
+                                    lambda p=policy, b=batch, r=riders: self._fused(p, b, r))
+                    else:  # one chunk each, then the batch decodes a token
+                        for row in riders:
+                            self._guard([row], lambda r=row: self._prefill(r))
+                        if batch is not None:
+                            self._guard(batch.rows, lambda b=batch: self._step(b))
                 for version, batch in list(self._batches.items()):
-                    self._guard(batch.rows, lambda b=batch: self._step(b))
                     if not batch.rows:
                         del self._batches[version]  # an old version's model is freed with its last request
                         if self.prefix is not None and version != self.engine._policy.version:
@@ -241,25 +252,61 @@ class Batcher:
             row.cache.update(k, v, i)  # copied into the row's own buffer: the stored KV stays intact
         self._prefilling.append(row)
 
-    def _prefill(self, row: _Row) -> None:
-        """The next chunk of the row's prompt, at its real positions; the first token once it is whole."""
-        policy, cache, n = row.policy, row.cache, len(row.prompt_ids)
+    def _work(self) -> list[tuple[Any, _Batch | None, list[_Row]]]:
+        """This iteration's work per policy: its batch (if any) and its rows still prefilling."""
+        groups: dict[int, tuple[Any, _Batch | None, list[_Row]]] = {}
+        for batch in self._batches.values():
+            groups[id(batch.policy)] = (batch.policy, batch, [])
+        for row in self._prefilling:
+            groups.setdefault(id(row.policy), (row.policy, None, []))[2].append(row)
+        return list(groups.values())
+
+    def _chunk_end(self, row: _Row) -> int:
         # Chunks only while others wait on this thread: a chunk's attention over the cached part takes
         # the masked SDPA path, so a lone prompt is prefilled ~1.3x faster whole (bench/prefill.py).
+        n = len(row.prompt_ids)
         busy = bool(self._batches) or len(self._prefilling) > 1
-        end = min(n, row.filled + self.prefill_chunk) if self.prefill_chunk > 0 and busy else n
+        return min(n, row.filled + self.prefill_chunk) if self.prefill_chunk > 0 and busy else n
+
+    def _prefill(self, row: _Row) -> None:
+        """The next chunk of the row's prompt, at its real positions; the first token once it is whole."""
+        end = self._chunk_end(row)
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head
         # over every prompt token, ~20 % of a prefill) would be thrown away.
-        out = policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=cache, use_cache=True,
-                           logits_to_keep=1, position_ids=torch.arange(row.filled, end)[None])
+        out = row.policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=row.cache, use_cache=True,
+                               logits_to_keep=1, position_ids=torch.arange(row.filled, end)[None])
         row.filled = end
-        if end < n:
-            return
+        if end == len(row.prompt_ids):
+            self._prefilled(row, out.logits[0, -1])
+
+    def _fused(self, policy, batch: _Batch | None, riders: list[_Row]) -> None:
+        """The batch's decode step and a chunk of each rider's prompt in one forward
+        (serving/fused_step.py: the weights are read once for all of them)."""
+        ends = [self._chunk_end(row) for row in riders]
+        chunks = [fused_step.Chunk(row.prompt_ids[row.filled:end], row.filled, row.cache)
+                  for row, end in zip(riders, ends)]
+        if batch is None:
+            none = torch.zeros(0, dtype=torch.long)
+            _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)
+        else:
+            mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
+            logits, chunk_logits = fused_step.forward(policy.model, batch.last, batch.pos, mask, batch.cache, chunks)
+            self.fused_chunks += len(chunks)
+            self._advance(batch, mask, logits)
+        for j, (row, end) in enumerate(zip(riders, ends)):  # after the batch's rows left: joiners pad to what stays
+            row.filled = end
+            if end == len(row.prompt_ids):
+                self._prefilled(row, chunk_logits[j])
+
+    def _prefilled(self, row: _Row, logits: torch.Tensor) -> None:
+        """The row's prompt is whole in its cache: keep it in the prefix cache, sample the first token,
+        and join its policy's batch."""
+        policy, cache, n = row.policy, row.cache, len(row.prompt_ids)
         self._prefilling.remove(row)
         row.cache = None  # the batch owns it from here
         if self.prefix is not None:  # the cache holds exactly the prompt's KV here (no sampled token yet)
             self.prefix.store(policy.version, row.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
-        if self._emit(row, out.logits[0, -1]):
+        if self._emit(row, logits):
             return self._finish(row)
         batch = self._batches.setdefault(policy.version, _Batch(policy))
         mask, pos, last = torch.ones(1, n, dtype=torch.long), torch.tensor([n]), torch.tensor([row.out_ids[-1]])
@@ -295,7 +342,10 @@ class Batcher:
         mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
         out = batch.policy.model(batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
                                  cache=batch.cache, use_cache=True)
-        logits = out.logits[:, -1]
+        self._advance(batch, mask, out.logits[:, -1])
+
+    def _advance(self, batch: _Batch, mask: torch.Tensor, logits: torch.Tensor) -> None:
+        """Sample each row's token from its step's `logits` [B, V]; rows that finished leave the batch."""
         done = [self._emit(row, logits[i]) for i, row in enumerate(batch.rows)]
         batch.mask, batch.pos = mask, batch.pos + 1
         batch.last = torch.tensor([row.out_ids[-1] for row in batch.rows])
@@ -305,7 +355,8 @@ class Batcher:
             batch.rows = [r for r, d in zip(batch.rows, done) if not d]
             for row in finished:  # after they left the batch: a caller sees its slot free
                 self._finish(row)
-            if not batch.rows:
+            if not batch.rows:  # a row that joins later starts it afresh
+                batch.cache = batch.mask = batch.pos = batch.last = None
                 return
             batch.mask, batch.pos, batch.last = batch.mask[keep], batch.pos[keep], batch.last[keep]
             skip = int((batch.mask.sum(0) == 0).long().cumprod(0).sum())  # leading all-padding columns
