@@ -2,8 +2,10 @@
 
 Same model, same batch (2 prompts x 4 completions, 64 prompt + 192 completion tokens, rewards
 +1/-1 normalized per group), fp32 on CPU, side by side in one run; `clawflow-bf16` is the same
-recipe under `train.autocast: bfloat16` (bf16 matmuls, fp32 weights), its MFU against the bf16 peak. Each contender does one
-warm-up step and then `--steps` timed optimizer steps; the median is reported.
+recipe under `train.autocast: bfloat16` (bf16 matmuls, fp32 weights) and `trl-bf16` TRL's under
+`bf16=True` (accelerate's CPU autocast): their MFU is against the bf16 peak and each is compared
+with TRL in its own dtype. Each contender does one warm-up step and then `--steps` timed optimizer
+steps; the median is reported.
 
 - clawflow: `clawflow.train.recipe.Recipe` itself (1-rank process group, its own step loop:
   forward with logits only at completion positions, PPO-clip loss, backward, grad clip, AdamW).
@@ -106,7 +108,7 @@ def bench_clawflow(model_dir: str, batch: dict, steps: int, tmp: Path, autocast:
     return seconds
 
 
-def bench_trl(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing:
+def bench_trl(model_dir: str, batch: dict, steps: int, tmp: Path, bf16: bool = False) -> Timing:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -115,7 +117,7 @@ def bench_trl(model_dir: str, batch: dict, steps: int, tmp: Path) -> Timing:
     tok = AutoTokenizer.from_pretrained(model_dir)
     args = GRPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=N_PROMPTS * GROUP,
                       num_generations=GROUP, learning_rate=1e-6, beta=0.0, loss_type="grpo", epsilon=0.2,
-                      epsilon_high=0.28, use_cpu=True, bf16=False, report_to=[], max_grad_norm=1.0,
+                      epsilon_high=0.28, use_cpu=True, bf16=bf16, report_to=[], max_grad_norm=1.0,
                       max_completion_length=COMPLETION_LEN, logging_steps=1000)
     data = Dataset.from_list([{"prompt": "hi"}] * (N_PROMPTS * GROUP))
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
@@ -163,7 +165,8 @@ def bench_hf(model_dir: str, batch: dict, steps: int) -> Timing:
     return seconds[1:]
 
 
-CONTENDERS = ["clawflow", "clawflow-bf16", "trl", "hf"]  # clawflow-bf16: train.autocast bfloat16 (CPU)
+# clawflow-bf16: train.autocast bfloat16 (CPU); trl-bf16: GRPOConfig(bf16=True), accelerate's CPU autocast
+CONTENDERS = ["clawflow", "clawflow-bf16", "trl", "trl-bf16", "hf"]
 
 
 def main() -> None:
@@ -180,7 +183,7 @@ def main() -> None:
     tokens = B * L
     logit_tokens = {"clawflow": B * (COMPLETION_LEN + 1), "trl": B * COMPLETION_LEN, "hf": B * L}
     flops = {k: flops_of(ref, tokens, L, n) for k, n in logit_tokens.items()}
-    flops["clawflow-bf16"] = flops["clawflow"]
+    flops["clawflow-bf16"], flops["trl-bf16"] = flops["clawflow"], flops["trl"]
     del ref
     threads = torch.get_num_threads()
     peak = max(matmul_peak_flops("cpu", torch.float32, n, seconds=2.0) for n in (1024, 2048))
@@ -199,6 +202,7 @@ def main() -> None:
             fn = {"clawflow": lambda: bench_clawflow(model_dir, batch, args.steps, tmp),
                   "clawflow-bf16": lambda: bench_clawflow(model_dir, batch, args.steps, tmp, "bfloat16"),
                   "trl": lambda: bench_trl(model_dir, batch, args.steps, tmp),
+                  "trl-bf16": lambda: bench_trl(model_dir, batch, args.steps, tmp, bf16=True),
                   "hf": lambda: bench_hf(model_dir, batch, args.steps)}[name]
             timing = fn()
             results[name] = (statistics.median(w for w, _ in timing), statistics.median(c for _, c in timing))
@@ -206,8 +210,9 @@ def main() -> None:
     print(f"\n{'contender':13s} {'wall s':>7s} {'tok/s':>7s} {'MFU':>6s} {'vs TRL':>7s} | "
           f"{'cpu s':>7s} {'tok/s*':>7s} {'MFU*':>6s} {'vs TRL*':>7s}   (* by CPU time)")
     for name, (wall, cpu) in results.items():
-        vs = f"{results['trl'][0] / wall:6.2f}x" if "trl" in results else "-"
-        vs_cpu = f"{results['trl'][1] / cpu:6.2f}x" if "trl" in results else "-"
+        trl = "trl-bf16" if name.endswith("bf16") else "trl"  # each dtype against TRL in the same dtype
+        vs = f"{results[trl][0] / wall:6.2f}x" if trl in results else "-"
+        vs_cpu = f"{results[trl][1] / cpu:6.2f}x" if trl in results else "-"
         pw, pc = (bf16_peak, bf16_peak_cpu) if name.endswith("bf16") else (peak, peak_cpu)
         print(f"{name:13s} {wall:7.2f} {tokens / wall:7.1f} {flops[name] / wall / pw:6.1%} {vs:>7s} | "
               f"{cpu:7.2f} {tokens * threads / cpu:7.1f} {flops[name] / cpu / pc:6.1%} {vs_cpu:>7s}")

@@ -2,9 +2,10 @@
 
 Batched and padding-aware (prompts left-padded, responses right-padded by `collate`);
 only the last R + 1 positions get logits (`logits_to_keep`) and the log-softmax over the vocabulary
-runs in chunks (`sequence_logprobs`). Both live here, below serving and training, which use them. No `no_grad` here: the trainer's forward keeps its
-graph; callers that only evaluate wrap the call in `torch.inference_mode()` (the engine, the gate,
-the start-of-run pass in `train.scoring`).
+runs in chunks, with its own backward (`sequence_logprobs`). Both live here, below serving and
+training, which use them. No `no_grad` here: the trainer's forward keeps its graph; callers that
+only evaluate wrap the call in `torch.inference_mode()` (the engine, the gate, the start-of-run
+pass in `train.scoring`).
 """
 
 from __future__ import annotations
@@ -58,23 +59,46 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             "targets": targets, "mask": mask, "rollout": rollout, "keep": R + 1}
 
 
-def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 1024) -> Tensor:
+def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 32) -> Tensor:
     """log softmax(logits)[b, t, targets[b, t]] in float32.  logits: [B, T, V], targets: [B, T].
 
-    Computed as logits[target] - logsumexp(logits) over slices of one row and `chunk_tokens`
-    positions, so the float32 [B, T, V] log-softmax never exists at once (only one [chunk, V]
-    temporary); logsumexp's backward reuses the logits instead of saving a log-softmax copy, and
-    slicing a row never copies a strided view such as `logits[:, :-1]`.
+    Computed as logits[target] - logsumexp(logits), `chunk_tokens` positions of one row at a time, so
+    no float32 [B, T, V] temporary exists (logits may be bf16 under autocast). Its own backward
+    (`_TokenLogprobs`) writes d/dlogits = g * (onehot - softmax) chunk by chunk into one buffer from
+    the saved logits and logsumexps: autograd's chain (a zero-filled [B, T, V] gradient per row
+    selected, logsumexp's and the float cast's backward) passed over that tensor ~10 times and took
+    ~1.1 s of a 7.7 s bf16 training step on 2,048 tokens of SmolLM2 (vocabulary 49,152). Chunks of
+    32 positions (6 MB in fp32) stay in cache: 8 x 192 positions took 47 ms forward and 150 ms backward
+    against 234 / 410 ms with whole rows.
     """
-    B, T, _ = logits.shape
-    rows = []
-    for b in range(B):
-        parts = []
-        for t in range(0, T, chunk_tokens):
-            x = logits[b, t : t + chunk_tokens].float()  # [n, V]
-            picked = x.gather(-1, targets[b, t : t + chunk_tokens, None]).squeeze(-1)  # [n]
-            parts.append(picked - torch.logsumexp(x, dim=-1))
-        rows.append(torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32))
-    if not rows:
-        return logits.new_zeros((0, T), dtype=torch.float32)
-    return torch.stack(rows)  # [B, T]
+    if logits.shape[0] == 0 or logits.shape[1] == 0:
+        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+    return _TokenLogprobs.apply(logits, targets, chunk_tokens)
+
+
+def _chunks(shape: torch.Size, chunk_tokens: int):
+    for b in range(shape[0]):
+        for t in range(0, shape[1], chunk_tokens):
+            yield b, slice(t, t + chunk_tokens)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+        lse = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+        for b, c in _chunks(logits.shape, chunk_tokens):
+            lse[b, c] = torch.logsumexp(logits[b, c].float(), dim=-1)
+        picked = logits.gather(-1, targets[..., None]).squeeze(-1).float()
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk_tokens = chunk_tokens
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # contiguous even for a view
+        for b, c in _chunks(logits.shape, ctx.chunk_tokens):
+            g = grad[b, c, None].float()  # [n, 1]
+            d = torch.exp(logits[b, c].float() - lse[b, c, None]).mul_(-g)  # -g * softmax
+            out[b, c] = d.scatter_add_(-1, targets[b, c, None], g)  # + g at the target
+        return out, None, None

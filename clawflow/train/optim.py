@@ -34,13 +34,24 @@ def cosine(step: int, warmup: int, total: int) -> float:
 SCHEDULES: dict[str, Callable[[int, int, int], float]] = {"constant": constant, "cosine": cosine}
 
 
+def adamw(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """torch's fused AdamW (one kernel over all tensors: 135M fp32 parameters in ~65 ms on 2 CPU
+    threads against ~200 ms for the default foreach one) where it applies; FSDP2's DTensor
+    parameters keep the default."""
+    from torch.distributed.tensor import DTensor
+
+    fused = bool(params) and not any(isinstance(p, DTensor) for p in params) \
+        and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+
+
 def build(model: nn.Module, cfg: TrainConfig, total_steps: int, state: dict | None, resumed: bool,
           log: Callable[[str], None], source: str = "") -> tuple[torch.optim.Optimizer, LRScheduler]:
     """AdamW over the trainable parameters, loaded from `state` (a full name-keyed optimizer state
     dict) when given, and a LambdaLR schedule. An incompatible state from another run is skipped
     with a log line; an incompatible state of this run (resume) is an error."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = adamw(params, cfg)
     if state is not None:
         try:
             D.load_optimizer_state(model, optimizer, state)
@@ -52,6 +63,6 @@ def build(model: nn.Module, cfg: TrainConfig, total_steps: int, state: dict | No
             if resumed:
                 raise
             log(f"clawflow.train: optimizer state of {source} not used ({exc.__class__.__name__}): starting fresh")
-            optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            optimizer = adamw(params, cfg)
     factor = partial(SCHEDULES[cfg.lr_schedule], warmup=cfg.warmup_steps, total=total_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
