@@ -45,7 +45,7 @@ from clawflow.policy.logprobs import response_logprobs
 from clawflow.policy.packed_linear import pack_if_faster, unpack_linears
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
-from clawflow.train import optim, precision
+from clawflow.train import attention, optim, precision
 from clawflow.train.flops import matmul_peak_flops, param_counts, peak_memory_mb, train_flops
 from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
@@ -97,6 +97,7 @@ class Recipe:
         if self.bf16:
             self._log("clawflow.train: bf16 autocast" + (f" (a training step {speedup:.2f}x faster than fp32)"
                                                          if speedup else " (train.autocast: bfloat16)"))
+            attention.use(model)  # short rows: bf16 matmul attention, faster than SDPA's CPU kernel
         elif speedup:
             self._log(f"clawflow.train: fp32 (bf16 autocast only {speedup:.2f}x faster here)")
         if cfg.activation_checkpointing:
