@@ -127,3 +127,24 @@ def test_a_model_it_does_not_know_is_served_by_transformers_forward(mistral_dir)
     assert fused == 0
     assert b.token_ids == alone.token_ids
     assert close(b.logprobs, logprobs_under(mistral_dir, prompt, b.token_ids), 1e-4)
+
+
+def test_a_bad_prompt_fails_alone_and_the_stream_it_rode_with_goes_on(tiny_model_dir):
+    """A prompt with a token id past the vocabulary makes the fused forward raise: every cache is
+    rolled back, the parts run apart, and only that request fails; the decoding stream's tokens are
+    those it gets alone."""
+    engine = TorchEngine(tiny_model_dir, max_batch=4, max_queue=4, prefix_cache_tokens=0)
+    started = threading.Event()
+    prompt = engine.encode_chat([{"role": "user", "content": "hi"}])
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=1)
+    try:
+        a = engine.submit(prompt, params, lambda *_: started.set() or True)
+        assert started.wait(60)
+        bad = engine.submit([5, 6, len(engine.tokenizer) + 1000], SamplingParams(max_new_tokens=4, seed=2))
+        with pytest.raises(IndexError):
+            bad.result(timeout=120)
+        got = a.result(timeout=120)
+        assert got.token_ids == engine.generate(prompt, params).token_ids
+        assert engine.batcher.active == 0
+    finally:
+        engine.close()

@@ -107,7 +107,7 @@ class Batcher:
         self._batches: dict[int, _Batch] = {}
         self._running = 0  # admitted and not finished (prefilling or in a batch)
         self.aborted = 0  # requests stopped early because their client went away
-        self.fused_chunks = 0  # prompt chunks prefilled inside a decode step (serving/fused_step.py)
+        self.fused_chunks = 0  # prompt chunks prefilled by a fused forward (serving/fused_step.py)
         self._cv = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="clawflow-decode", daemon=True)
@@ -213,12 +213,9 @@ class Batcher:
                 for policy, batch, riders in self._work():
                     if fused_step.supports(policy.model):  # one forward: the batch's token and every chunk
                         self._guard((batch.rows if batch else []) + riders,
-                                    lambda p=policy, b=batch, r=riders: self._fused(p, b, r))
-                    else:  # one chunk each, then the batch decodes a token
-                        for row in riders:
-                            self._guard([row], lambda r=row: self._prefill(r))
-                        if batch is not None:
-                            self._guard(batch.rows, lambda b=batch: self._step(b))
+                                    lambda p=policy, b=batch, r=riders: self._fused_or_apart(p, b, r))
+                    else:
+                        self._apart(batch, riders)
                 for version, batch in list(self._batches.items()):
                     if not batch.rows:
                         del self._batches[version]  # an old version's model is freed with its last request
@@ -279,19 +276,46 @@ class Batcher:
         if end == len(row.prompt_ids):
             self._prefilled(row, out.logits[0, -1])
 
+    def _apart(self, batch: _Batch | None, riders: list[_Row]) -> None:
+        """transformers' forward: a chunk of each prompt alone, then the batch's step; a failure fails
+        only the requests of that forward."""
+        for row in riders:
+            self._guard([row], lambda r=row: self._prefill(r))
+        if batch is not None:
+            self._guard(batch.rows, lambda b=batch: self._step(b))
+
+    def _fused_or_apart(self, policy, batch: _Batch | None, riders: list[_Row]) -> None:
+        try:
+            self._fused(policy, batch, riders)
+        except _FusedFailed as exc:  # e.g. one prompt's bad token id: don't fail the others with it
+            log.warning("fused step failed (%s); running its parts apart", exc.__cause__)
+            self._apart(batch, riders)
+
     def _fused(self, policy, batch: _Batch | None, riders: list[_Row]) -> None:
         """The batch's decode step and a chunk of each rider's prompt in one forward
-        (serving/fused_step.py: the weights are read once for all of them)."""
+        (serving/fused_step.py: the weights are read once for all of them). A forward that raises
+        leaves every cache as it was and raises `_FusedFailed`."""
         ends = [self._chunk_end(row) for row in riders]
         chunks = [fused_step.Chunk(row.prompt_ids[row.filled:end], row.filled, row.cache)
                   for row, end in zip(riders, ends)]
-        if batch is None:
-            none = torch.zeros(0, dtype=torch.long)
-            _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)
-        else:
-            mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
-            logits, chunk_logits = fused_step.forward(policy.model, batch.last, batch.pos, mask, batch.cache, chunks)
-            self.fused_chunks += len(chunks)
+        caches = [c.cache for c in chunks] + ([batch.cache] if batch is not None else [])
+        before = [(len(c.layers), [(layer.keys, layer.values) for layer in c.layers]) for c in caches]
+        try:
+            if batch is None:
+                none = torch.zeros(0, dtype=torch.long)
+                _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)
+            else:
+                mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
+                logits, chunk_logits = fused_step.forward(policy.model, batch.last, batch.pos, mask, batch.cache,
+                                                          chunks)
+        except Exception as exc:
+            for cache, (n, views) in zip(caches, before):  # positions written past a view are never read
+                del cache.layers[n:]
+                for layer, (k, v) in zip(cache.layers, views):
+                    layer.keys, layer.values = k, v
+            raise _FusedFailed from exc
+        self.fused_chunks += len(chunks)
+        if batch is not None:
             self._advance(batch, mask, logits)
         for j, (row, end) in enumerate(zip(riders, ends)):  # after the batch's rows left: joiners pad to what stays
             row.filled = end
@@ -398,6 +422,10 @@ class Batcher:
         else:
             row.future.set_result(Generation(row.out_ids, row.logprobs, row.text, row.finish,
                                              row.policy.version, row.top))
+
+
+class _FusedFailed(Exception):
+    """A fused forward raised; every cache it touched is as it was before."""
 
 
 def _call(row: _Row, token: int) -> bool:
