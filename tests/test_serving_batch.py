@@ -242,3 +242,22 @@ def test_stock_client_without_headers_trains_as_one_session(make_config):
     cat = Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards")
     pairs = {p.turn_index: p for p in pending_pairs(cat, 99) if p.session_id == turns[0]["session_id"]}
     assert "stock turn 1" in pairs[0].next_state and "stock turn 2" in pairs[1].next_state
+
+
+def test_a_reload_to_the_same_version_number_never_joins_the_old_batch(tiny_model_dir, perturbed_model_dir):
+    """Other weights under the same version number are another model: a request admitted after the
+    reload decodes on the new weights while the old batch still runs, in a batch of its own."""
+    engine = TorchEngine(tiny_model_dir, max_batch=4, max_queue=4, prefix_cache_tokens=0)
+    started = threading.Event()
+    try:
+        a = engine.submit(engine.encode_chat([{"role": "user", "content": "hi"}]),
+                          SamplingParams(max_new_tokens=60, temperature=1.0, seed=1), lambda *_: started.set() or True)
+        assert started.wait(60)
+        engine.reload(perturbed_model_dir, 0)
+        prompt = engine.encode_chat([{"role": "user", "content": "tell me more"}])
+        b = engine.submit(prompt, SamplingParams(max_new_tokens=8)).result(timeout=120)
+        assert not a.done()  # b ran while the old version's batch was still decoding
+        a.result(timeout=120)
+    finally:
+        engine.close()
+    assert close(b.logprobs, logprobs_under(perturbed_model_dir, prompt, b.token_ids), 1e-4)

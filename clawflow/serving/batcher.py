@@ -104,7 +104,7 @@ class Batcher:
         self._staged: tuple[weakref.ref, list] | None = None  # a re-warmed policy's KV, installed on its first use
         self._waiting: deque[_Row] = deque()
         self._prefilling: list[_Row] = []  # admitted, prompt not fully in their cache yet
-        self._batches: dict[int, _Batch] = {}
+        self._batches: dict[int, _Batch] = {}  # by id(policy): a reload to the same version number is another model
         self._running = 0  # admitted and not finished (prefilling or in a batch)
         self.aborted = 0  # requests stopped early because their client went away
         self.fused_chunks = 0  # prompt chunks prefilled by a fused forward (serving/fused_step.py)
@@ -216,9 +216,10 @@ class Batcher:
                                     lambda p=policy, b=batch, r=riders: self._fused_or_apart(p, b, r))
                     else:
                         self._apart(batch, riders)
-                for version, batch in list(self._batches.items()):
+                for key, batch in list(self._batches.items()):
                     if not batch.rows:
-                        del self._batches[version]  # an old version's model is freed with its last request
+                        del self._batches[key]  # an old version's model is freed with its last request
+                        version = batch.policy.version
                         if self.prefix is not None and version != self.engine._policy.version:
                             self.prefix.drop_version(version)  # and so is its KV
                 if self._rewarm is not None:  # a chunk at most per iteration: the old version keeps serving
@@ -234,9 +235,9 @@ class Batcher:
                     self._prefilling.remove(row)
                 if not row.future.done():
                     self._finish(row, exc)
-            for version, batch in list(self._batches.items()):
+            for key, batch in list(self._batches.items()):
                 if any(r in rows for r in batch.rows):
-                    del self._batches[version]
+                    del self._batches[key]
 
     def _start(self, row: _Row) -> None:
         """Pin the serving policy and seed the row's cache with the longest cached prefix."""
@@ -332,7 +333,7 @@ class Batcher:
             self.prefix.store(policy.version, row.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
         if self._emit(row, logits):
             return self._finish(row)
-        batch = self._batches.setdefault(policy.version, _Batch(policy))
+        batch = self._batches.setdefault(id(policy), _Batch(policy))
         mask, pos, last = torch.ones(1, n, dtype=torch.long), torch.tensor([n]), torch.tensor([row.out_ids[-1]])
         if batch.cache is None:
             batch.cache, batch.mask, batch.pos, batch.last = cache, mask, pos, last
