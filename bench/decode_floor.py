@@ -13,7 +13,8 @@ Columns, each a change on the one before: fp32 with transformers' DynamicCache (
 cache every step), fp32 with the engine's append-in-place cache (serving/kv_cache.py), fp32 on
 oneDNN-prepacked Linear weights (policy/packed_linear.py: what the default serves where its
 start-up timing finds it faster), and bf16-weights, packed too (policy/bf16_weights.py, what the
-opt-in `serving.dtype: auto` picks where bf16 matmuls are fast).
+opt-in `serving.dtype: auto` picks where bf16 matmuls are fast). Then a new request's prompt joining
+a decode step: prefilled apart, or in one fused forward with the step (serving/fused_step.py).
 
     .venv/bin/python bench/decode_floor.py [--batches 1 8 32 --context 120]
     .venv/bin/python bench/decode_floor.py --batches 1 8 --context 4096   # an agent's next turn
@@ -54,6 +55,35 @@ def step_time(model, batch: int, context: int, steps: int, append: bool = False)
         return (time.perf_counter() - t0) / steps
 
 
+def join_times(model, batch: int, context: int, prompt: int, steps: int) -> tuple[float, float]:
+    """Seconds of a decode step at `batch` rows plus a `prompt`-token prefill joining: run apart
+    (transformers' forward for each, what the engine did before) and as one fused forward
+    (clawflow/serving/fused_step.py, what it does for Llama-family models). Alternated step by step
+    over the same growing cache; medians."""
+    import statistics
+
+    from clawflow.serving import fused_step
+    from clawflow.serving.kv_cache import new_cache
+
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        cache = new_cache()
+        model(torch.randint(100, 10_000, (batch, context), generator=g), cache=cache, use_cache=True, logits_to_keep=1)
+        last, ids = torch.full((batch,), 42), torch.randint(100, 10_000, (prompt,), generator=g).tolist()
+        mask, times = torch.ones(batch, context, dtype=torch.long), {True: [], False: []}
+        for i in range(2 * steps):
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)
+            pos, fused = torch.full((batch,), context + i), i % 2 == 1
+            t0 = time.perf_counter()
+            if fused:
+                fused_step.forward(model, last, pos, mask, cache, [fused_step.Chunk(ids, 0, new_cache())])
+            else:
+                model(last[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
+                model(torch.tensor([ids]), cache=new_cache(), use_cache=True, logits_to_keep=1)
+            times[fused].append(time.perf_counter() - t0)
+    return statistics.median(times[False][1:]), statistics.median(times[True][1:])
+
+
 def next_token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
@@ -66,6 +96,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=120, help="KV cache length (prompt + reply so far)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--join", type=int, default=44, help="prompt tokens joining (bench/serving.py's prompts: 44)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -96,6 +127,10 @@ def main() -> None:
         cells = [f"{t * 1e3:.1f} ({b / t:.0f})" for t in runs]
         print(f"{b:5d} {cells[0]:>18} {cells[1]:>16} {cells[2]:>17} {cells[3]:>14} {cells[4]:>19}   "
               f"append {runs[0] / runs[1]:.2f}x, +packed {runs[0] / runs[2]:.2f}x, bf16-weights packed {runs[0] / runs[3]:.2f}x")
+    print(f"\na {args.join}-token prompt joining a decode step (fp32, packed Linears): ms, apart -> fused")
+    for b in args.batches:
+        apart, fused = join_times(packed, b, args.context, args.join, max(args.steps // 2, 4))
+        print(f"{b:5d} {apart * 1e3:8.1f} -> {fused * 1e3:6.1f}   {apart / fused:.2f}x")
     ids = torch.tensor([AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"]])
     (full_a, a), (full_q, q) = next_token_logprobs(fp32, ids), next_token_logprobs(int8, ids)
     agree = (full_a.argmax(-1) == full_q.argmax(-1)).float().mean()
