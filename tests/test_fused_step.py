@@ -10,7 +10,8 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
+from transformers import (AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from clawflow.serving import fused_step
 from clawflow.serving.engine import SamplingParams, TorchEngine
@@ -23,15 +24,29 @@ def llama(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def _tiny(cls, config_cls, **extra):
+    torch.manual_seed(0)
+    model = cls(config_cls(**SHAPE, **extra)).eval()
+    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: give them values, so they count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory, tiny_model_dir) -> str:
-    """A tiny random Mistral (not an architecture fused_step knows) with the tiny model's tokenizer."""
+    """A tiny random Mistral with sliding-window attention (which fused_step does not write out), with
+    the tiny model's tokenizer."""
     out = tmp_path_factory.mktemp("mistral")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, sliding_window=None,
-                                      eos_token_id=tok.eos_token_id)).save_pretrained(out)
+    MistralForCausalLM(MistralConfig(**{**SHAPE, "vocab_size": len(tok)}, sliding_window=4096,
+                                     eos_token_id=tok.eos_token_id)).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
 
@@ -47,10 +62,16 @@ def _batch(model, prompts: list[list[int]]):
     return cache, mask, torch.tensor([len(p) for p in prompts])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @torch.inference_mode()
-def test_fused_forward_matches_transformers_apart(llama):
+def test_fused_forward_matches_transformers_apart(llama, arch):
     """Three left-padded decode rows, a fresh prompt and the second chunk of a prompt whose first
-    chunk is cached: the same logits and the same KV as transformers' forward on each part alone."""
+    chunk is cached: the same logits and the same KV as transformers' forward on each part alone
+    (SmolLM2's tiny Llama; a Qwen2 with q/k/v biases; a Mistral without sliding windows)."""
+    if arch != "llama":
+        llama = _tiny(Qwen2ForCausalLM, Qwen2Config) if arch == "qwen2" else \
+            _tiny(MistralForCausalLM, MistralConfig, sliding_window=None)
+    assert fused_step.supports(llama)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (7, 3, 12)]
     last = torch.tensor([11, 22, 33])
@@ -94,7 +115,10 @@ def test_supports_llama_and_its_adapters_not_other_architectures(llama, mistral_
     assert fused_step.supports(llama)
     lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
     assert fused_step.supports(get_peft_model(copy.deepcopy(llama), lora))
-    assert not fused_step.supports(AutoModelForCausalLM.from_pretrained(mistral_dir))
+    assert not fused_step.supports(AutoModelForCausalLM.from_pretrained(mistral_dir))  # sliding windows
+    assert not fused_step.supports(_tiny(Qwen3ForCausalLM, Qwen3Config))  # q/k norms
+    assert not fused_step.supports(_tiny(Qwen2ForCausalLM, Qwen2Config, use_sliding_window=True, sliding_window=8,
+                                         max_window_layers=0))
 
 
 def _a_then_b(model_dir: str):

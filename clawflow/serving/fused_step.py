@@ -1,4 +1,5 @@
-"""One forward for a decode batch and the prompt chunks riding along with it (Llama-family models).
+"""One forward for a decode batch and the prompt chunks riding along with it (Llama-family models:
+Llama, Qwen2, Mistral without sliding windows).
 
 Why: on CPU a decode step of a few rows is bound by reading the weights (540 MB in fp32 for
 SmolLM2-135M), while a short prompt's prefill is bound by compute. Run apart, a new request's
@@ -9,7 +10,8 @@ cache (causal, offset by what that cache already holds). Measured with SmolLM2-1
 packed fp32, a 44-token prompt joining): 8 rows 151 → 108 ms, 32 rows 201 → 152 ms.
 
 The math is transformers' `LlamaForCausalLM.forward` written out over flat rows; `supports` says
-when a model is one (a LoRA adapter on one is too: its wrapped Linears are called as they are).
+when a model computes exactly that (a LoRA adapter on one does too: its wrapped Linears are called
+as they are).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-_ARCHS = {"LlamaForCausalLM"}
+# Llama's decoder written out; Qwen2 (bias on q/k/v: the Linears carry it) and Mistral are the same
+# as long as no layer uses sliding-window attention, which is not written out here.
+_ARCHS = {
+    "LlamaForCausalLM": lambda cfg: True,
+    "Qwen2ForCausalLM": lambda cfg: "sliding_attention" not in (getattr(cfg, "layer_types", None) or []),
+    "MistralForCausalLM": lambda cfg: getattr(cfg, "sliding_window", None) is None,
+}
 
 
 @dataclass
@@ -36,7 +44,9 @@ def _unwrap(model):
 
 def supports(model) -> bool:
     base = _unwrap(model)
-    return type(base).__name__ in _ARCHS and getattr(base.config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+    plain = _ARCHS.get(type(base).__name__)
+    return plain is not None and plain(base.config) \
+        and getattr(base.config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
