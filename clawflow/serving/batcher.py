@@ -50,6 +50,7 @@ from clawflow.serving import fused_step
 from clawflow.serving.generation import Generation, QueueFull, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
 from clawflow.serving.rewarm import BUSY_CHUNK, WHOLE, RewarmJob, RewarmResult
+from clawflow.serving.sampling import sample
 
 log = logging.getLogger("clawflow.batcher")
 
@@ -326,6 +327,8 @@ class Batcher:
     def _prefilled(self, row: _Row, logits: torch.Tensor) -> None:
         """The row's prompt is whole in its cache: keep it in the prefix cache, sample the first token,
         and join its policy's batch."""
+        from clawflow.serving.kv_cache import pad_left  # imports transformers: not at module load
+
         policy, cache, n = row.policy, row.cache, len(row.prompt_ids)
         self._prefilling.remove(row)
         row.cache = None  # the batch owns it from here
@@ -339,8 +342,8 @@ class Batcher:
             batch.cache, batch.mask, batch.pos, batch.last = cache, mask, pos, last
         else:
             t = batch.mask.shape[1]
-            _pad_left(cache, max(t - n, 0))
-            _pad_left(batch.cache, max(n - t, 0))
+            pad_left(cache, max(t - n, 0))
+            pad_left(batch.cache, max(n - t, 0))
             mask = torch.cat([torch.zeros(1, max(t - n, 0), dtype=torch.long), mask], 1)
             batch.mask = torch.cat([torch.zeros(batch.mask.shape[0], max(n - t, 0), dtype=torch.long), batch.mask], 1)
             for bl, rl in zip(batch.cache.layers, cache.layers):
@@ -434,25 +437,3 @@ def _call(row: _Row, token: int) -> bool:
         return bool(row.on_token(token, row.logprobs[-1], row.text, row.top[-1] if row.params.top_logprobs else None))
     except Exception:  # a broken callback (closed event loop) means nobody is listening
         return False
-
-
-def _pad_left(cache, n: int) -> None:
-    if n <= 0:
-        return
-    for layer in cache.layers:
-        b, h, _, d = layer.keys.shape
-        layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], 2)
-        layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], 2)
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    """One token from 1-D logits: greedy at temperature 0, else temperature then nucleus (top-p)."""
-    if temperature <= 1e-6:  # 0, or so small that float32 division breaks down: greedy either way
-        return int(torch.argmax(logits))
-    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)  # finite at any temperature > 0
-    if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
-        keep[0] = True  # the top token always (a top_p that underflows float32 keeps nothing else)
-        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))

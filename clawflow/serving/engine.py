@@ -200,11 +200,10 @@ class TorchEngine:  # an `engine_protocol.Engine`
                            prefix_cache_hits=prefix.hits if prefix is not None else 0,
                            prefix_cache_reused_tokens=prefix.reused_tokens if prefix is not None else 0)
 
-    @torch.inference_mode()
+    @torch.inference_mode()  # evaluation: no graph, and the serving kernels (packed Linears)
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed reply under the serving policy (evaluation, tests)."""
         from clawflow.policy.logprobs import response_logprobs
 
-        with torch.inference_mode():  # evaluation: no graph, and the serving kernels
-            return response_logprobs(self._policy.model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
+        return response_logprobs(self._policy.model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
 

@@ -16,6 +16,7 @@ as they are).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,6 @@ def forward(model, last: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | N
         x = layer.post_attention_layernorm(h)
         mlp = layer.mlp
         h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-    ends = torch.tensor([b + sum(sizes[:j + 1]) - 1 for j in range(len(sizes))], dtype=torch.long)
+    ends = torch.tensor(list(itertools.accumulate(sizes, initial=b - 1))[1:], dtype=torch.long)  # chunks' last rows
     logits = base.lm_head(inner.norm(h[torch.cat([torch.arange(b), ends])]))  # only the rows sampled from
     return logits[:b], logits[b:]

@@ -47,3 +47,13 @@ def new_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = AppendLayer
     return cache
+
+
+def pad_left(cache, n: int) -> None:
+    """Prepend `n` zero positions to every layer's keys and values (the batch's left padding)."""
+    if n <= 0:
+        return
+    for layer in cache.layers:
+        b, h, _, d = layer.keys.shape
+        layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], 2)
+        layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], 2)
