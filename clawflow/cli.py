@@ -156,8 +156,63 @@ def forget(session: str = typer.Argument(..., help="the session id to remove"),
     except (OSError, duckdb.Error) as exc:  # e.g. the catalog stayed locked by a running training
         console.print(f"[red]error:[/red] {escape(f'{exc.__class__.__name__}: {exc}')}", soft_wrap=True)
         raise typer.Exit(1) from None
+    from clawflow.prefs.store import PreferenceStore
+
+    try:
+        dropped = PreferenceStore.for_config(cfg).forget_session(session)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {escape(f'{exc.__class__.__name__}: {exc}')}", soft_wrap=True)
+        raise typer.Exit(1) from None
     console.print(f"forgot session: {r.turns} turns from {r.shards} shards, {r.wal_records} unsealed turns, "
-                  f"{r.judgments} judgments, {r.samples} training samples, {r.catalog_rows} catalog rows")
+                  f"{r.judgments} judgments, {r.samples} training samples, {r.catalog_rows} catalog rows, "
+                  f"{len(dropped)} standing preferences that came only from it" + (f" ({', '.join(dropped)})"
+                                                                                   if dropped else ""))
+
+
+prefs_app = typer.Typer(help="Standing preferences: what users asked for, distilled by every training run.",
+                        invoke_without_command=True)
+app.add_typer(prefs_app, name="prefs")
+
+
+@prefs_app.callback()
+def prefs(ctx: typer.Context, user: Optional[str] = typer.Option(None, "--user", help="one user's (default: all)"),
+          all_: bool = typer.Option(False, "--all", help="also superseded ones"),
+          config: Optional[Path] = ConfigOpt) -> None:
+    """List standing preferences, strongest first, with the sessions they came from."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from clawflow.prefs.record import ACTIVE, ranked
+    from clawflow.prefs.store import PreferenceStore
+
+    cfg = _cfg(config)
+    every = PreferenceStore.for_config(cfg).load()
+    rows = ranked(every, user) + ([p for p in every if p.status != ACTIVE and (user is None or p.user == user)]
+                                  if all_ else [])
+    if not rows:
+        console.print("no standing preferences" + (f" for {user}" if user else ""))
+        return
+    table = Table()
+    for name in ("id", "user", "preference", "kind", "strength", "status", "sessions"):
+        table.add_column(name, overflow="fold", no_wrap=name in ("id", "strength"))
+    for p in rows:
+        table.add_row(p.pref_id, p.user, escape(p.text), f"{p.axis}/{p.pole}".rstrip("/"),
+                      f"{p.strength:.2f}" if p.strength is not None else "-",
+                      p.status + (f" by {p.superseded_by}" if p.superseded_by else ""), ", ".join(p.sessions))
+    console.print(table)
+
+
+@prefs_app.command("forget")
+def prefs_forget(pref_id: str = typer.Argument(..., help="the preference id (`clawflow prefs` lists them)"),
+                 config: Optional[Path] = ConfigOpt) -> None:
+    """Drop a standing preference: the next version is trained without it (from the base, when the
+    champion had learned it)."""
+    from clawflow.prefs.store import PreferenceStore
+
+    gone = PreferenceStore.for_config(_cfg(config)).forget(pref_id)
+    if gone is None:
+        console.print(f"[red]error:[/red] no standing preference {escape(pref_id)!s} (see `clawflow prefs`)")
+        raise typer.Exit(2)
+    console.print(f"forgot {gone.pref_id} ({escape(gone.text)}); the next version is trained without it")
 
 
 @app.command("judge-eval")

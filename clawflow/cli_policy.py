@@ -183,16 +183,27 @@ def register(app: typer.Typer, load, config_opt) -> None:
 
 def version_table(rows: list[dict]) -> Table:
     """`clawflow versions`: one line per version in 80 columns (local time as MM-DD HH:MM; a date
-    of another year as YYYY-MM-DD)."""
+    of another year as YYYY-MM-DD): the gate's verdict, the dose it promoted (or `none`), the key
+    facts rate and the preference measure at that dose, turns and loss. Every dose's figures are in
+    the version's `doses` tag and its MLflow run."""
     table = Table()
-    for name in ("ver", "aliases", "created", "gate", "turns", "loss", "reward"):
+    for name in ("ver", "aliases", "created", "gate", "dose", "facts", "pref", "turns", "loss"):
         table.add_column(name, no_wrap=True)  # a date or a number split over two lines is unreadable
     this_year = dt.datetime.now().year
     for v in rows:
         created = dt.datetime.fromtimestamp(v["created"] / 1000)
         when = created.strftime("%m-%d %H:%M" if created.year == this_year else "%Y-%m-%d")
-        loss = v["metrics"].get("loss")
-        table.add_row(str(v["version"]), ",".join(v["aliases"]), when, v["tags"].get("gate", ""),
-                      v["tags"].get("turns", ""), f"{loss:.4g}" if loss is not None else "",
-                      v["tags"].get("reward_mean", ""))
+        loss, tags = v["metrics"].get("loss"), v["tags"]
+        table.add_row(str(v["version"]), ",".join(v["aliases"]), when, tags.get("gate", ""), tags.get("dose", ""),
+                      _short(tags.get("eval.help_facts_rate")), _short(tags.get("eval.pref_gain"), signed=True),
+                      tags.get("turns", ""), f"{loss:.3g}" if loss is not None else "")
     return table
+
+
+def _short(value: str | None, signed: bool = False) -> str:
+    if value is None:
+        return ""
+    try:
+        return f"{float(value):+.3f}" if signed else f"{float(value):.3f}"
+    except ValueError:
+        return value

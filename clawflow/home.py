@@ -29,6 +29,8 @@ class Home:
     QUARANTINE: ClassVar[str] = "quarantine"
     STAGING: ClassVar[str] = "staging"  # compaction's merged shard before the journal swaps it in
     SAMPLES_FILE: ClassVar[str] = "samples.parquet"
+    PREFERENCES: ClassVar[str] = "preferences"  # preferences/preferences.parquet: standing preferences (clawflow/prefs)
+    PREFERENCES_FILE: ClassVar[str] = "preferences.parquet"
 
     # -- this host's own, always local --------------------------------------------------------------
     WAL: ClassVar[str] = "wal"

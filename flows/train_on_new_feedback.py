@@ -1,4 +1,5 @@
-"""train-on-new-feedback: collect batch → judge → train → register → gate → promote → commit → reload.
+"""train-on-new-feedback: collect batch → judge → standing preferences → train → gate (doses) → register →
+promote → commit → reload.
 
 Triggered by `clawflow.shard.sealed` events (see prefect.yaml) or by hand:
     prefect deployment run train-on-new-feedback/train-on-new-feedback
@@ -7,15 +8,18 @@ Progress is the `training-progress` artifact (percent per phase); the summary is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from clawflow.config import load_config
 from clawflow.feedback import training_samples
 from clawflow.policy.holdout import split_holdout
-from tasks.policy import gate_candidate, held_out_probes
+from tasks.policy import gate_doses, held_out_probes, tag_gate
 from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, maintain_store, promote,
-                            register, release_unjudged, reload_gateway, start_run, train_policy)
+                            record_preferences, register, release_unjudged, reload_gateway, start_run, train_policy,
+                            update_preferences)
 
 
 class Progress:
@@ -47,27 +51,31 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
                        progress)
     trainable, held_out = split_holdout(judgments, cfg.gate.holdout_fraction)  # held out: the gate's probes
     samples = training_samples(pairs, trainable)
-    parent, base = current_policy(cfg)
+    preferences = update_preferences(cfg, pairs, judgments)  # the user's standing preferences, this batch folded in
+    parent, start, champion = current_policy(cfg, preferences)
     turn_ids = [j.turn_id for j in judgments]  # only judged turns are consumed (held-out ones too)
-    if not samples:
+    if not samples and not preferences:
         # Judged but neutral: nothing to learn; consume them so they are not judged again.
         _consume(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
         reason = "all turns judged neutral" if not held_out else "no trainable turns (neutral or held out for the gate)"
         return _report({"trained": False, "reason": reason, "turns": len(pairs)}, progress)
 
-    progress(25, f"training on {len(samples)} samples from v{parent}")
+    progress(25, f"training on {len(samples)} samples and {len(preferences)} standing preferences from v{parent}")
     run_id = start_run(cfg, str(runtime.flow_run.id), parent, pairs, judgments)
-    checkpoint, metrics = train_policy(cfg, run_id, base, samples, parent)
+    checkpoint, metrics = train_policy(cfg, run_id, start, samples, parent, preferences)
     if checkpoint is None:  # the recipe found no usable advantage or hint: consume, nothing to register
         _consume(cfg, turn_ids, f"untrainable-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
         return _report({"trained": False, "reason": metrics["reason"], "turns": len(pairs),
                         "samples": len(samples)}, progress)
-    progress(70, "registering the checkpoint")
-    rewards = [s.reward for s in samples]
+    taught = record_preferences(cfg, run_id, checkpoint, preferences)["taught"]
     trained_ids = [s.turn_id for s in samples]
-    version = register(cfg, run_id, checkpoint, parent, len(samples), sum(rewards) / len(rewards), trained_ids)
-    progress(75, f"eval gate: v{version} vs v{parent}")
-    gate = gate_candidate(cfg, version, str(checkpoint), base, held_out_probes(cfg, trained_ids))
+    progress(65, f"eval gate: the candidate at doses {', '.join(f'{d:g}' for d in cfg.gate.doses)} vs v{parent}")
+    gate = gate_doses(cfg, run_id, str(checkpoint), champion, held_out_probes(cfg, trained_ids), taught)
+    progress(85, "registering the checkpoint")
+    rewards = [s.reward for s in samples] or [0.0]
+    version = register(cfg, run_id, Path(gate.checkpoint), parent, len(samples), sum(rewards) / len(rewards),
+                       trained_ids)
+    tag_gate(cfg, version, gate)
     progress(90, "promoting" if gate.passed else "rejected: committing the batch")
     if gate.passed:
         promote(cfg, version)
@@ -75,13 +83,15 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     _consume(cfg, turn_ids, run_id, version, all_judged=len(judgments) == len(pairs))
     maintain_store(cfg)
     progress(95, f"reloading the gateway on v{version}" if gate.passed else "done")
-    reloaded = reload_gateway(cfg, version, str(checkpoint)) if reload and gate.passed else False
-    log.info("v%d trained on %d samples from v%d: %s", version, len(samples), parent, gate.reason)
+    reloaded = reload_gateway(cfg, version, gate.checkpoint) if reload and gate.passed else False
+    log.info("v%d trained on %d samples and %d preferences from v%d: %s", version, len(samples), len(preferences),
+             parent, gate.reason)
     last = metrics.get("per_step") or [{}]
     return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
-                    "samples": len(samples), "held_out": len(held_out), "reward_mean": sum(rewards) / len(rewards),
-                    "promoted": gate.passed, "gate": gate.reason, "mlflow_run": run_id,
-                    "reloaded": reloaded, "loss": last[-1].get("loss")}, progress)
+                    "samples": len(samples), "preferences": len(preferences), "held_out": len(held_out),
+                    "reward_mean": sum(rewards) / len(rewards), "promoted": gate.passed, "dose": gate.dose,
+                    "gate": gate.reason, "mlflow_run": run_id, "reloaded": reloaded, "loss": last[-1].get("loss")},
+                   progress)
 
 
 def _consume(cfg, turn_ids: list[str], consumer: str, version: int, all_judged: bool) -> None:

@@ -72,11 +72,75 @@ def release_unjudged(cfg: Config) -> int:
     return catalog(cfg).release(str(runtime.flow_run.id))
 
 
+def user_of(cfg: Config) -> str:
+    """Whose policy this run trains: the one API key's owner (per-user training builds on this)."""
+    return getattr(cfg.serving, "user", None) or "default"
+
+
+@task(name="update-preferences", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def update_preferences(cfg: Config, pairs: list[Pair], judgments: list[Judged]) -> list[dict]:
+    """The hints of turns judged −1 folded into their users' standing preferences (clawflow/prefs:
+    merged, superseded, or refused with the reason logged); this run's user's active preferences,
+    strongest first, as the trainer reads them."""
+    from clawflow.prefs.store import PreferenceStore
+    from clawflow.prefs.update import NewHint
+
+    store, by_id = PreferenceStore.for_config(cfg), {p.turn_id: p for p in pairs}
+    hints = [NewHint(getattr(by_id.get(j.turn_id), "user", None) or user_of(cfg), j.hint, j.session_id, j.turn_id,
+                     _iso(getattr(by_id.get(j.turn_id), "created_at", None)))
+             for j in judgments if j.score < 0 and j.hint is not None]
+    log = get_run_logger()
+    for line in store.add_hints(hints):
+        (log.warning if " refused: " in line else log.info)("preferences: %s", line)
+    active = [{"pref_id": p.pref_id, "text": p.text, "variants": [v.text for v in p.variants],
+               "strength": p.strength, "sessions": p.sessions} for p in store.active(user_of(cfg))]
+    log.info("%d standing preferences for %s: %s", len(active), user_of(cfg),
+             "; ".join(f"{p['pref_id']} {p['text'][:40]!r}" for p in active) or "none")
+    return active
+
+
+def _iso(t) -> str:
+    from datetime import datetime, timezone
+
+    if t is None:
+        return datetime.now(timezone.utc).isoformat()
+    return t.isoformat() if hasattr(t, "isoformat") else str(t)
+
+
+@task(name="record-preferences", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def record_preferences(cfg: Config, run_id: str, checkpoint: Path, preferences: list[dict]) -> dict:
+    """What the trainer measured and taught (`preferences.json` beside the weights): strengths back
+    onto the records, and the preferences logged as an input of the MLflow run."""
+    from clawflow.prefs.store import PreferenceStore
+    from clawflow.train.recipe import PREFERENCES_REPORT
+
+    path = Path(checkpoint) / PREFERENCES_REPORT
+    report = json.loads(path.read_text()) if path.is_file() else {"taught": "", "strengths": {}, "dropped": []}
+    PreferenceStore.for_config(cfg).set_strengths(user_of(cfg), report.get("strengths", {}))
+    registry.log_preferences(cfg, run_id, preferences, report)
+    for d in report.get("dropped", []):
+        get_run_logger().warning("preference %s (%r) was dropped for this run: %s", d["pref_id"], d["text"][:50],
+                                 d["why"])
+    return report
+
+
 @task(name="serving-policy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def current_policy(cfg: Config) -> tuple[int, str]:
-    """The champion (version, checkpoint) to train from, or the base model as version 0."""
+def current_policy(cfg: Config, preferences: list[dict] | None = None) -> tuple[int, str, str]:
+    """(champion version, the weights to train from, the champion's checkpoint); the base model as
+    version 0 when nothing is registered. When the champion learned a standing preference that has
+    since been forgotten or superseded, this run starts from the base: the standing preferences
+    that remain are distilled again in full (broad prompts), and the dropped one's effect is gone."""
     found = registry.champion(cfg)  # fetched (with its optimizer state) when the registry is a server
-    return (found[0], registry.checkpoint_dir(cfg, *found, trainer_state=True)) if found else (0, base_model_dir(cfg))
+    if not found:
+        return 0, base_model_dir(cfg), base_model_dir(cfg)
+    champion = registry.checkpoint_dir(cfg, *found, trainer_state=True)
+    learned = registry.learned_preferences(cfg, found[0])
+    gone = sorted(set(learned) - {p["pref_id"] for p in preferences or []})
+    if gone:
+        get_run_logger().warning("v%d learned preferences that are now forgotten or superseded (%s): this run "
+                                 "trains from the base", found[0], ", ".join(gone))
+        return found[0], base_model_dir(cfg), champion
+    return found[0], champion, champion
 
 
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -100,7 +164,7 @@ def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[Pair], judgme
 @task(name="train-policy", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       task_run_name="train-{run_id}", timeout_seconds=6 * 3600)
 def train_policy(cfg: Config, run_id: str, base: str, samples: list[Sample],
-                 parent: int = 0) -> tuple[Path | None, dict]:
+                 parent: int = 0, preferences: list[dict] | None = None) -> tuple[Path | None, dict]:
     """torchrun subprocess from the champion `base` (its weights, and its AdamW state when saved);
     the checkpoint appears atomically at $CLAWFLOW_HOME/checkpoints/<run_id>. A retry after an
     interruption resumes the run from `<run_id>.resume`. Step metrics go to the MLflow run.
@@ -115,9 +179,13 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[Sample],
         metrics = json.loads(done.read_text())
     else:
         needs_base = cfg.train.teacher == "base" or cfg.train.kl_beta > 0  # the frozen base: teacher / KL ref
+        prefs_file = None
+        if preferences:
+            prefs_file = batch.with_name("preferences.json")
+            prefs_file.write_text(json.dumps(preferences))
         try:
             metrics = run_training(cfg.source_file, cfg, Path(base), batch, out, parent_version=parent,
-                                   frozen_base=base_model_dir(cfg) if needs_base else None)
+                                   frozen_base=base_model_dir(cfg) if needs_base else None, preferences=prefs_file)
         except TrainingError as e:
             if e.returncode != EXIT_NO_SAMPLES:
                 raise

@@ -3,8 +3,10 @@
 The job variables are checked against the Docker and Kubernetes workers' own default base job
 templates (the copy Prefect ships in `aggregate-worker-metadata.json`, which is what `prefect
 work-pool create --type docker|kubernetes` starts from), and a deployment that uses them against
-Prefect's own prefect.yaml model. The image is built with podman (which `make test` installs from
-Debian's packages) and run as a gateway; that test skips only where podman cannot run."""
+Prefect's own prefect.yaml model. The image is built with podman and run as a gateway. podman
+comes from Debian's packages (.ci/install-podman, which `make test` runs and the test runs again):
+on a Debian-like machine a podman that cannot be installed or cannot run fails that test, naming
+the reason; it skips only where apt-get cannot install podman (not Debian-like, or no apt-get)."""
 
 from __future__ import annotations
 
@@ -117,13 +119,53 @@ def _podman(env: dict[str, str], *args: str, timeout: float = 600, **kw) -> subp
     return subprocess.run(["podman", *args], env=env, check=True, timeout=timeout, **kw)
 
 
+INSTALL_PODMAN = REPO_ROOT / ".ci" / "install-podman"
+CONTAINER_TOOLS = ("podman", "runc", "debootstrap")  # what .ci/install-podman installs
+
+
+def os_ids(os_release: Path = Path("/etc/os-release")) -> set[str]:
+    """The distribution and those it is like (os-release's ID and ID_LIKE), e.g. {"ubuntu", "debian"}."""
+    if not os_release.is_file():
+        return set()
+    fields = dict(line.split("=", 1) for line in os_release.read_text().splitlines() if "=" in line)
+    return set(f"{fields.get('ID', '')} {fields.get('ID_LIKE', '')}".replace('"', "").replace("'", "").split())
+
+
+def debian_like() -> bool:
+    """A machine where .ci/install-podman can install podman: Debian or a derivative, with apt-get."""
+    return "debian" in os_ids() and shutil.which("apt-get") is not None
+
+
+def cannot_build(reason: str) -> None:
+    """Never a silent skip where `make test` could have installed podman: on a Debian-like machine the
+    test fails, saying why; elsewhere (no apt-get, not Debian) it skips."""
+    if debian_like():
+        pytest.fail(f"the container image was not tested on this Debian machine: {reason}")
+    pytest.skip(f"not a Debian-like machine with apt-get, where .ci/install-podman works: {reason}")
+
+
+def ensure_podman() -> None:
+    """podman, runc and debootstrap (quick when already there), installed by .ci/install-podman as
+    `make test` does; the script's own message when it cannot (not root, apt-get failed, ...)."""
+    if all(shutil.which(t) for t in CONTAINER_TOOLS):
+        return
+    if not debian_like():
+        cannot_build(f"{', '.join(t for t in CONTAINER_TOOLS if not shutil.which(t))} missing")
+    done = subprocess.run([str(INSTALL_PODMAN)], capture_output=True, text=True, timeout=1200)
+    missing = [t for t in CONTAINER_TOOLS if not shutil.which(t)]
+    if done.returncode != 0 or missing:
+        said = (done.stderr.strip() or done.stdout.strip())[-1500:] or "no output"
+        cannot_build(f"podman could not be installed: .ci/install-podman exited {done.returncode}"
+                     f"{f', still missing {missing}' if missing else ''}: {said}")
+
+
 def _debian_base(env: dict[str, str], tmp_path: Path, tag: str) -> None:
     """A Debian bookworm base with the Python the Dockerfile needs, made with debootstrap from the
     machine's Debian archive: the default `python:3.11-slim` lives in a container registry, which
     this machine cannot reach (the Dockerfile's BASE_IMAGE argument exists for such bases)."""
     mirror = _debian_mirror()
-    if mirror is None or shutil.which("debootstrap") is None:
-        pytest.skip("no debootstrap or no Debian archive configured: cannot build a base image here")
+    if mirror is None:
+        cannot_build("no Debian archive found in /etc/apt (sources.list.d/*.sources or sources.list) for debootstrap")
     rootfs = tmp_path / "rootfs"
     subprocess.run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,python-is-python3,"
                     "make,git,ca-certificates", "bookworm", str(rootfs), mirror],
@@ -134,16 +176,31 @@ def _debian_base(env: dict[str, str], tmp_path: Path, tag: str) -> None:
     shutil.rmtree(rootfs)  # 400 MB, and other tests scan the temp tree
 
 
+@pytest.mark.parametrize("release, like", [
+    ('PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nID=debian\nVERSION_ID="12"\n', True),
+    ('NAME="Ubuntu"\nID=ubuntu\nID_LIKE=debian\n', True),
+    ('NAME="Linux Mint"\nID=linuxmint\nID_LIKE="ubuntu debian"\n', True),
+    ('NAME="Fedora Linux"\nID=fedora\n', False),
+    ('NAME="Rocky Linux"\nID="rocky"\nID_LIKE="rhel centos fedora"\n', False),
+])
+def test_debian_like_machines_are_told_apart(tmp_path, release, like):
+    """Where the image test may skip (no Debian, so .ci/install-podman cannot work) and where a
+    missing podman fails it: read from os-release as shipped by each distribution."""
+    (tmp_path / "os-release").write_text(release)
+    assert ("debian" in os_ids(tmp_path / "os-release")) is like
+    assert os_ids(tmp_path / "missing") == set()
+
+
 @pytest.mark.slow
 def test_image_builds_and_serves_a_chat(tmp_path):
     """The image is built as documented (podman here; a Debian base, since no registry answers)
     and, run with a data volume, is a working gateway: it answers a chat completion and the turn
     lands on the volume, not in the image."""
-    if shutil.which("podman") is None:
-        pytest.skip("no podman here (`make test` installs it where apt-get can)")
+    ensure_podman()
     env = _podman_env(tmp_path)
-    if subprocess.run(["podman", "info"], env=env, capture_output=True, timeout=60).returncode != 0:
-        pytest.skip("podman is installed but does not answer `podman info`")
+    info = subprocess.run(["podman", "info"], env=env, capture_output=True, text=True, timeout=60)
+    if info.returncode != 0:
+        cannot_build(f"podman is installed but `podman info` failed: {info.stderr.strip()[-1500:]}")
     base, tag, name = "localhost/clawflow-test-base:bookworm", "localhost/clawflow-test:latest", f"clawflow-test-{os.getpid()}"
     try:
         _debian_base(env, tmp_path, base)

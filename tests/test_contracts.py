@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from pydantic import ValidationError
 
 from clawflow.contracts import env_reward, judgment, sample, turn
 from clawflow.contracts import (
@@ -20,6 +21,7 @@ from clawflow.contracts import (
 )
 from clawflow.feedback import training_samples
 from clawflow.home import Home
+from clawflow.config import ServingConfig
 from clawflow.contracts.turn import TurnRecord
 from clawflow.store.storage import Storage
 
@@ -35,13 +37,13 @@ FORMATS = {
                      "created_at:timestamp[us, tz=UTC]",
     env_reward.SCHEMA: "session_id:string turn_index:int32 response_text:string env_reward:double source:string "
                        "created_at:timestamp[us, tz=UTC]",
-    # schema v2; a new version adds columns (and an upgrade of older shards) in clawflow/contracts/turn.py
+    # schema v3; a new version adds columns (and an upgrade of older shards) in clawflow/contracts/turn.py
     turn.ARROW_SCHEMA: "turn_id:string session_id:string turn_index:int32 turn_type:string source:string "
                        "group_id:string created_at:timestamp[us, tz=UTC] policy_version:int64 messages:string "
                        "tools:string prompt_token_ids:list<item: int32> response_token_ids:list<item: int32> "
                        "response_logprobs:list<item: float> response_text:string tool_calls:string "
                        "finish_reason:string new_messages:string session_done:bool env_reward:double "
-                       "prompt_tokens:int32 response_tokens:int32",
+                       "prompt_tokens:int32 response_tokens:int32 user:string",
 }
 
 
@@ -111,6 +113,31 @@ def test_pair_from_a_shard_row_then_judged_then_a_sample(tmp_path):
     assert type(stored) is JudgmentRow and judgment_dict(stored) | {"created_at": None} == judgment_dict(j)
     [s] = training_samples([pair], [j])
     assert (s.turn_id, s.reward, s.messages, s.policy_version) == (pair.turn_id, -1.0, json.loads(row["messages"]), 2)
+
+
+def test_turn_user_round_trips_and_older_rows_are_the_default_user():
+    rec = TurnRecord(session_id="s", turn_index=0, policy_version=2, messages=[{"role": "user", "content": "hi"}],
+                     prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.5], response_text="yo",
+                     finish_reason="stop", new_messages=[], user="alice")
+    assert turn.SCHEMA_VERSION == 3 and turn.ADDED[3].keys() == {"user"}
+    assert TurnRecord.from_row(json.loads(rec.to_json())) == rec  # the WAL line
+    assert turn.rows_to_table([rec.to_row()])["user"].to_pylist() == ["alice"]  # the shard row
+    assert Pair.from_row({**rec.to_row(), "next_state": None}).user == "alice"
+
+    older = json.loads(rec.to_json())  # a WAL line written before v3 has no `user`
+    del older["user"]
+    assert TurnRecord.from_row(older).user == turn.DEFAULT_USER == "default"
+    assert turn.upgrade_row({"prompt_token_ids": [1]})["user"] == "default"
+    assert Pair(turn_id="t", session_id="s", turn_index=0, messages="[]", prompt_token_ids=[], response_token_ids=[],
+                response_logprobs=[], response_text="", next_state=None).user == "default"
+    assert ServingConfig().user == turn.DEFAULT_USER  # the config's default names the same user
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "Zoë", "../etc", "a\n"])
+def test_serving_user_is_a_short_plain_name(bad):
+    assert ServingConfig(user="Team.bot_7-x").user == "Team.bot_7-x"
+    with pytest.raises(ValidationError, match="user"):
+        ServingConfig(user=bad)
 
 
 def test_sample_files_lists_each_runs_batch(tmp_path):

@@ -61,7 +61,8 @@ def test_training_run_holds_out_turns_records_lineage_and_progress(make_config, 
     final = cli_watch.follow(api_url(), run_id, seen.append, poll_s=0.1, timeout_s=30)
     assert final.done and final.state_type == "COMPLETED" and final.percent == 100 and final.phase == "done: v2"
     names = [n for n, _ in final.tasks]
-    for task in ("collect-batch-", "held-out-probes-", "gate-v2", "promote-champion-"):  # names get a short suffix
+    for task in ("collect-batch-", "update-preferences-", "held-out-probes-", f"gate-{result['mlflow_run']}", "tag-v2",
+                 "promote-champion-"):  # names get a short suffix
         assert any(n.startswith(task) for n in names), (task, names)
 
     assert reload.rollback(cfg, 1)["to_version"] == 1 and registry.champion(cfg) == (1, cfg.model.path)  # back to base

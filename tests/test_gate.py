@@ -1,4 +1,6 @@
-"""Eval gate on real checkpoints: normal → passes, NaN → rejected, degraded → rejected."""
+"""Eval gate on real checkpoints, at the thresholds configs/default.yaml ships (read from it):
+normal → passes, NaN → rejected, degraded → rejected by the KL limit, a checkpoint that lost the
+champion's answers → rejected by the NLL limit."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from clawflow.config import GateConfig, HelpfulnessGateConfig
-from clawflow.policy.gate import evaluate, nonfinite_tensors
+from clawflow.config import REPO_ROOT, HelpfulnessGateConfig, load_config
+from clawflow.policy.gate import evaluate, load_pair, nonfinite_tensors
+
+SHIPPED = load_config(REPO_ROOT / "configs" / "default.yaml").gate  # what users get
 
 
 def variant(src: str, dst, fn) -> str:
@@ -25,9 +29,14 @@ def variant(src: str, dst, fn) -> str:
 
 @pytest.fixture(scope="module")
 def gate():
-    # random weights answer nothing: tests/test_helpfulness.py covers that check
-    return GateConfig(probes=["What is the capital of France?", "Say hello."], max_new_tokens=8,
-                      helpfulness=HelpfulnessGateConfig(enabled=False))
+    """The shipped gate section as it is (max_kl, max_nll_increase, probes, reply length), but for
+    the helpfulness check: random weights answer nothing (tests/test_helpfulness.py covers it)."""
+    return SHIPPED.model_copy(update={"helpfulness": HelpfulnessGateConfig(enabled=False)})
+
+
+def test_the_shipped_gate_is_what_is_tested(gate):
+    assert gate.enabled and (gate.max_kl, gate.max_nll_increase) == (SHIPPED.max_kl, SHIPPED.max_nll_increase)
+    assert gate.probes == SHIPPED.probes and gate.max_new_tokens == SHIPPED.max_new_tokens
 
 
 def test_normal_update_passes(tiny_model_dir, tmp_path, gate):
@@ -36,7 +45,8 @@ def test_normal_update_passes(tiny_model_dir, tmp_path, gate):
     result = evaluate(gate, nudged, tiny_model_dir)
     assert result.passed, result.reason
     assert 0 < result.metrics["probe_kl"] < gate.max_kl
-    assert result.metrics["probes"] == 2
+    assert result.metrics["probe_nll_increase"] < gate.max_nll_increase
+    assert result.metrics["probes"] == len(gate.probes)
 
 
 def test_nan_weights_are_rejected_without_probing(tiny_model_dir, tmp_path, gate):
@@ -52,8 +62,36 @@ def test_degraded_weights_are_rejected(tiny_model_dir, tmp_path, gate):
     # embedding makes every next-token distribution sharp and wrong, as a diverged run would.
     degraded = variant(tiny_model_dir, tmp_path / "degraded", lambda m: m.model.embed_tokens.weight.mul_(50))
     result = evaluate(gate, degraded, tiny_model_dir)
-    assert not result.passed and "KL" in result.reason
+    assert not result.passed and f"> max_kl {gate.max_kl}" in result.reason, result.reason
     assert result.metrics["probe_kl"] > gate.max_kl
+
+
+def test_a_checkpoint_that_lost_the_champions_answers_is_rejected(tiny_model_dir, tmp_path, gate):
+    """Drift the KL limit cannot see: the candidate's output layer turns against exactly the tokens
+    of the champion's greedy probe replies (an untied copy of the embedding with those rows negated),
+    so those replies become unlikely while the rest of every distribution barely moves. The NLL
+    limit rejects it."""
+    tok, champ, _ = load_pair(tiny_model_dir, tiny_model_dir)
+    said = set()
+    for prompt in gate.probes:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        out = champ.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gate.max_new_tokens,
+                             do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+        said |= set(out[0, ids.shape[1]:].tolist())
+    rows = torch.tensor(sorted(said))
+
+    def forget(m):
+        m.config.tie_word_embeddings = False
+        head = m.model.embed_tokens.weight.detach().clone()
+        head[rows] *= -1
+        m.lm_head.weight = torch.nn.Parameter(head)
+
+    forgot = variant(tiny_model_dir, tmp_path / "forgot", forget)
+    result = evaluate(gate, forgot, tiny_model_dir)
+    assert result.metrics["probe_kl"] < gate.max_kl  # the KL limit alone would pass it
+    assert not result.passed and "probe NLL rose" in result.reason, result.reason
+    assert result.metrics["probe_nll_increase"] > gate.max_nll_increase
 
 
 def test_identical_checkpoint_has_zero_drift(tiny_model_dir, gate):

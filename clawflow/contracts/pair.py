@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from clawflow.contracts._parquet import columns
+from clawflow.contracts.turn import DEFAULT_USER
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class Pair:
     created_at: datetime | None = None
     prompt_tokens: int | None = None  # token counts (derived for shards older than schema v2)
     response_tokens: int | None = None
+    user: str = DEFAULT_USER  # who sent the turn (the API key's owner; "default" for shards before turn schema v3)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Pair:

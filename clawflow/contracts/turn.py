@@ -8,7 +8,9 @@ on read (`upgrade_table` for Arrow, `sql_columns` for DuckDB, `upgrade_row` for 
 compaction rewrites them in the current version.
 
 History: v1 (walking skeleton); v2 adds `prompt_tokens`/`response_tokens`, so token budgets and
-stats read two small integer columns instead of the token lists.
+stats read two small integer columns instead of the token lists; v3 adds `user`, the owner of the
+API key the turn came in with (config `serving.user`), so rows of older versions are `"default"`,
+the owner of the single key every gateway had before users existed.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 VERSION_KEY = b"clawflow.schema_version"
+DEFAULT_USER = "default"  # the owner of turns recorded before v3 (and config serving.user's default)
 
 ARROW_SCHEMA = pa.schema(
     [
@@ -48,6 +51,7 @@ ARROW_SCHEMA = pa.schema(
         ("env_reward", pa.float64()),
         ("prompt_tokens", pa.int32()),  # v2
         ("response_tokens", pa.int32()),  # v2
+        ("user", pa.string()),  # v3: the API key's owner
     ],
     metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -59,6 +63,10 @@ ADDED: dict[int, dict[str, tuple[str, Any]]] = {
                           lambda t: pc.list_value_length(t["prompt_token_ids"]).cast(pa.int32())),
         "response_tokens": ("len(response_token_ids)::INTEGER",
                             lambda t: pc.list_value_length(t["response_token_ids"]).cast(pa.int32())),
+    },
+    3: {  # `user` is a keyword in SQL: quoted wherever DuckDB names it
+        "user": (f"'{DEFAULT_USER}'::VARCHAR",
+                 lambda t: pa.array([DEFAULT_USER] * t.num_rows, pa.string())),
     },
 }
 
@@ -82,6 +90,7 @@ class TurnRecord:
     tool_calls: list[dict[str, Any]] | None = None
     session_done: bool = False
     env_reward: float | None = None
+    user: str = DEFAULT_USER  # who sent it: the API key's owner (the gateway always sets it)
     turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -123,6 +132,8 @@ def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
         row["prompt_tokens"] = len(row.get("prompt_token_ids") or [])
     if row.get("response_tokens") is None:
         row["response_tokens"] = len(row.get("response_token_ids") or [])
+    if row.get("user") is None:
+        row["user"] = DEFAULT_USER
     return row
 
 
@@ -149,7 +160,7 @@ def upgrade_table(table: pa.Table) -> pa.Table:
 
 def sql_columns(version: int) -> str:
     """DuckDB select list that reads a shard of `version` as the current schema."""
-    extra = [f"{expr} AS {name}" for v in range(version + 1, SCHEMA_VERSION + 1)
+    extra = [f'{expr} AS "{name}"' for v in range(version + 1, SCHEMA_VERSION + 1)
              for name, (expr, _) in ADDED.get(v, {}).items()]
     return ", ".join(["*", *extra])
 

@@ -79,6 +79,7 @@ class EpisodeResult:
     next_states: int = 0
     outcome: float | None = None
     error: str | None = None
+    scores: list[float] = field(default_factory=list)  # env.score of each reply served, in order
     rewards: list[dict[str, Any]] = field(default_factory=list)  # env_reward rows
 
 
@@ -117,6 +118,8 @@ async def run_episode(client: Any, env: Environment, cfg: EnvConfig, model: str,
                     if (s := env.score(episode, r)) is not None:
                         result.rewards.append(_reward_row(env, session, turn_index, r, s))
             reply = replies[0]
+            if (s := env.score(episode, reply)) is not None:
+                result.scores.append(s)
             episode.messages.append(reply)
             result.turns += 1
             final_index, final_reply = turn_index, reply

@@ -218,3 +218,67 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
     held = int(m["judged_pos"] + m["judged_neg"])
     return GateResult(True, f"probe KL {m['probe_kl']:.4f} ≤ {gate.max_kl}; "
                             f"{held} held-out judged turns within ±{gate.judged_margin}{helped}", m)
+
+
+@dataclass
+class DoseVerdict:
+    """The gate's verdict over doses: the strongest that passed (None: rejected at every dose tried),
+    the checkpoint to register (that dose's, or the undiluted candidate when rejected), the chosen
+    (or strongest) dose's figures, and every measured dose's figures."""
+
+    passed: bool
+    reason: str
+    dose: float | None
+    checkpoint: str
+    metrics: dict[str, float]
+    per_dose: dict[float, dict[str, float]]
+
+
+def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work_dir: Path,
+                   judged: Sequence[ProbeTurn] | None = None, base_dir: str | None = None,
+                   cache_dir: Path | None = None, taught: str = "") -> DoseVerdict:
+    """`evaluate` at each of `gate.doses`, strongest first (policy/dose.py), stopping at the first that
+    passes. With standing preferences (`taught`, what the teacher read), a dose must also make the
+    teacher's answers to held-out prompts likelier than the champion does by more than
+    `gate.min_preference_gain` (policy/preference_probe.py); a weaker dose moves them less, so the
+    first dose that does not ends the search."""
+    from clawflow.policy import preference_probe as P
+    from clawflow.policy.dose import write_dosed
+
+    per: dict[float, dict[str, float]] = {}
+    pref = None
+    if taught and gate.enabled:
+        from clawflow.helpfulness import load_model
+
+        champ, tok = load_model(champion_dir)
+        prompts = P.load_prompts(gate.preference_prompts)
+        answers = P.cached_answers(cache_dir, champion_dir, prompts, taught, gate.preference_max_tokens,
+                                   lambda: P.teacher_answers(champ, tok, prompts, taught, gate.preference_max_tokens))
+        pref = (tok, prompts, answers, P.answer_loglik(champ, tok, prompts, answers))
+        del champ
+    last: GateResult | None = None
+    for dose in gate.doses:
+        path = candidate_dir if dose == 1.0 else str(write_dosed(candidate_dir, champion_dir, dose,
+                                                                 Path(work_dir) / f"dose-{dose:g}"))
+        m: dict[str, float] = {"dose": dose}
+        per[dose] = m
+        if pref is not None:
+            from clawflow.helpfulness import load_model
+
+            tok, prompts, answers, champ_lp = pref
+            cand, _ = load_model(path)
+            m["pref_gain"] = P.gain(champ_lp, P.answer_loglik(cand, tok, prompts, answers))
+            del cand
+            if not m["pref_gain"] > gate.min_preference_gain:
+                last = GateResult(False, f"the preference measure is {m['pref_gain']:+.4f} nats/token at dose "
+                                         f"{dose:g}, not past the champion's (+{gate.min_preference_gain})", m)
+                break
+        r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir)
+        m.update(r.metrics)
+        if r.passed:
+            said = f"; preference {m['pref_gain']:+.4f} nats/token" if "pref_gain" in m else ""
+            return DoseVerdict(True, f"dose {dose:g}: {r.reason}{said}", dose, path, m, per)
+        last = r
+    tried = ", ".join(f"{d:g}" for d in per)
+    reason = (last.reason if last else "no dose") + (f" (doses tried: {tried})" if len(per) > 1 else "")
+    return DoseVerdict(False, reason, None, candidate_dir, per[gate.doses[0]], per)

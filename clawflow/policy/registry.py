@@ -69,6 +69,63 @@ def log_json(cfg: Config, run_id: str, data: dict[str, Any], name: str) -> None:
     _client(cfg).log_dict(run_id, data, name)
 
 
+def log_preferences(cfg: Config, run_id: str, preferences: list[dict], report: dict) -> None:
+    """The standing preferences a run distilled, as an input dataset of its MLflow run (the UI's
+    "Datasets used"), with what the trainer measured and taught in `preferences.json`."""
+    import hashlib
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    client = _client(cfg)
+    body = json.dumps(preferences, sort_keys=True)
+    dataset = Dataset(name="standing-preferences", digest=hashlib.sha256(body.encode()).hexdigest()[:16],
+                      source_type="clawflow", source=json.dumps({"preferences": [p["pref_id"] for p in preferences]}),
+                      profile=json.dumps({"num_preferences": len(preferences), "taught": report.get("taught", "")}))
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", "training")])])
+    client.log_dict(run_id, {"preferences": preferences, **report}, "preferences.json")
+    client.set_tag(run_id, "clawflow.preferences", ",".join(p["pref_id"] for p in preferences
+                                                            if p["pref_id"] not in {d["pref_id"] for d in
+                                                                                    report.get("dropped", [])}))
+
+
+CHAMPION_HISTORY = "champion-history"
+
+
+def log_champion(cfg: Config, version: int, metrics: dict[str, float]) -> None:
+    """The champion's measures (facts, preference measure, dose) at step = version, in one run of
+    the experiment: MLflow draws each as a running chart over versions."""
+    client = _client(cfg)
+    exp = experiment_id(cfg)
+    found = client.search_runs([exp], filter_string=f"tags.`clawflow.kind` = '{CHAMPION_HISTORY}' and "
+                                                    f"tags.`clawflow.model` = '{cfg.model.name}'", max_results=1)
+    run_id = found[0].info.run_id if found else client.create_run(
+        exp, run_name=f"{CHAMPION_HISTORY}-{cfg.model.name}",
+        tags={"clawflow.kind": CHAMPION_HISTORY, "clawflow.model": cfg.model.name}).info.run_id
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, float(value), step=int(version))
+
+
+def learned_preferences(cfg: Config, version: int) -> list[str]:
+    """The standing preferences version `version` was trained on, through its parents' lineage:
+    the ids its run distilled (a run without preferences inherits its parent's)."""
+    client = _client(cfg)
+    seen: set[int] = set()
+    while version and version not in seen:
+        seen.add(version)
+        try:
+            mv = client.get_model_version(cfg.model.name, str(version))
+        except Exception:  # noqa: BLE001 - an unknown version learned nothing we know of
+            return []
+        if mv.run_id:
+            tag = client.get_run(mv.run_id).data.tags.get("clawflow.preferences")
+            if tag is not None:
+                return [p for p in tag.split(",") if p]
+        parent = str((mv.tags or {}).get("parent_version", ""))
+        version = int(parent) if parent.isdigit() else 0  # the base is tagged "none"
+    return []
+
+
 def end_run(cfg: Config, run_id: str, status: str = "FINISHED") -> None:
     _client(cfg).set_terminated(run_id, status=status)
 

@@ -94,9 +94,12 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     app.state.gateway = gw
     app.add_middleware(BodyLimitAndRequestIds, max_bytes=gw.cfg.serving.max_body_bytes)
 
-    def require_key(authorization: str | None = Header(None)) -> None:
+    def require_key(authorization: str | None = Header(None)) -> str:
+        """The user the request's API key belongs to (today one key, `serving.api_key`, owned by
+        `serving.user`); every turn it sends is recorded under that user."""
         if not _key_ok(authorization, gw.cfg.serving.api_key):
             raise HTTPException(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`).")
+        return gw.cfg.serving.user
 
     def require_admin(authorization: str | None = Header(None)) -> None:
         if not _key_ok(authorization, gw.cfg.serving.admin_key):
@@ -138,25 +141,26 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
         }]}
 
     async def _chat(request: Request, req: ChatCompletionRequest, x_session_id: str | None, x_turn_type: str | None,
-                    x_session_done: str | None, x_clawflow_source: str | None, record: bool):
+                    x_session_done: str | None, x_clawflow_source: str | None, record: bool, user: str):
         if x_turn_type not in (None, "main", "side"):
             raise BadRequest("X-Turn-Type must be `main` or `side`")
         ctx = TurnContext(session_id=x_session_id, turn_type=x_turn_type or "main",
                           session_done=(x_session_done or "").lower() in ("1", "true", "yes"),
-                          source=x_clawflow_source or "live", record=record)
+                          source=x_clawflow_source or "live", record=record, user=user)
         if req.stream:  # a disconnect closes the generator, which aborts the decode
             return StreamingResponse(await gw.stream(req, ctx), media_type="text/event-stream")
         return await _unless_disconnected(request, gw.complete(req, ctx))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions")
     async def chat(request: Request, req: ChatCompletionRequest, x_session_id: str | None = Header(None),
                    x_turn_type: str | None = Header(None), x_session_done: str | None = Header(None),
-                   x_clawflow_source: str | None = Header(None)):
-        return await _chat(request, req, x_session_id, x_turn_type, x_session_done, x_clawflow_source, record=True)
+                   x_clawflow_source: str | None = Header(None), user: str = Depends(require_key)):
+        return await _chat(request, req, x_session_id, x_turn_type, x_session_done, x_clawflow_source,
+                           record=True, user=user)
 
     @app.post("/internal/v1/chat/completions", dependencies=[Depends(require_admin)])
-    async def internal_chat(request: Request, req: ChatCompletionRequest):
-        return await _chat(request, req, None, None, None, "internal", record=False)
+    async def internal_chat(request: Request, req: ChatCompletionRequest):  # never recorded: no user
+        return await _chat(request, req, None, None, None, "internal", record=False, user=gw.cfg.serving.user)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

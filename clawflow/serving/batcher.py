@@ -29,8 +29,9 @@ So this is a compact left-padded decoder over a `DynamicCache` whose layers appe
   prompt prefilled on the same policy prefills only its new tail; a request with no hit runs exactly
   as without the cache. Entries of a policy that no longer serves are dropped;
 - re-warm on reload (clawflow/serving/rewarm.py): before a swap, the engine has this thread prefill
-  the hottest cached prompts with the new weights, a chunk per loop iteration between the old
-  version's work; the staged KV enters the cache when the new policy's first request arrives.
+  the hottest cached prompts with the new weights, a chunk of ~`CHUNK_S` seconds per loop iteration
+  between the old version's work, and none while a live request has already waited `YIELD_S` behind
+  it; the staged KV enters the cache when the new policy's first request arrives.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 from clawflow.serving import fused_step
 from clawflow.serving.generation import Generation, QueueFull, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
-from clawflow.serving.rewarm import BUSY_CHUNK, WHOLE, RewarmJob, RewarmResult
+from clawflow.serving.rewarm import CHUNK_S, YIELD_S, RewarmJob, RewarmResult
 from clawflow.serving.sampling import sample
 
 log = logging.getLogger("clawflow.batcher")
@@ -80,6 +81,8 @@ class _Row:
     finish: str = "length"
     cache: Any = None  # the prompt's KV while it is prefilled chunk by chunk
     filled: int = 0  # prompt tokens in `cache`
+    submitted: float = field(default_factory=time.monotonic)
+    rewarm_wait: float = 0.0  # seconds this request waited behind re-warm chunks
 
 
 @dataclass
@@ -94,8 +97,11 @@ class _Batch:
 
 class Batcher:
     def __init__(self, engine: _Owner, max_batch: int, max_queue: int, prefix_cache_tokens: int = 0,
-                 prefix_cache_min_tokens: int = 16, prefill_chunk: int = 0):
+                 prefix_cache_min_tokens: int = 16, prefill_chunk: int = 0, rewarm_chunk_s: float = CHUNK_S,
+                 rewarm_yield_s: float = YIELD_S):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        # re-warm chunks: seconds each, and the most a request waits behind them (serving/rewarm.py)
+        self.rewarm_chunk_s, self.rewarm_yield_s = rewarm_chunk_s, rewarm_yield_s
         self.prefill_chunk = prefill_chunk  # prompt tokens per prefill forward; 0 = the whole prompt at once
         self.prefix = PrefixCache(prefix_cache_tokens, prefix_cache_min_tokens) if prefix_cache_tokens > 0 else None
         # the policy whose KV the prefix cache holds (only the serving policy prefills); a weak
@@ -149,7 +155,7 @@ class Batcher:
             fut.set_result(RewarmResult([], 0, 0.0, True))
             return fut
         job = RewarmJob(policy, budget_tokens, time.monotonic() + max_s, self.prefix.max_tokens,
-                        self.prefix.min_tokens)
+                        self.prefix.min_tokens, self.rewarm_chunk_s)
         with self._cv:
             if self._rewarm is not None:  # an earlier one its reload gave up on
                 self._rewarm.cancelled = True
@@ -166,21 +172,27 @@ class Batcher:
         `policy` prefills its first request. Call before `policy` starts serving."""
         self._staged = (weakref.ref(policy), entries) if entries else None
 
-    def _rewarm_step(self, work_s: float) -> None:
-        """One chunk, unless requests are active and the job has had its half of the thread's time
-        (`work_s`: this iteration's seconds of request work)."""
+    def _rewarm_step(self) -> None:
+        """One chunk of the re-warm, unless a live request would then have waited behind re-warm
+        chunks for more than `rewarm_yield_s` in all; past its deadline the job ends here whatever
+        is live."""
         job = self._rewarm
         try:
             if not job.started:  # which prompts are hot is read here: the cache is this thread's
                 owner = self._prefix_owner
                 job.begin(self.prefix.hottest(owner[1]) if owner is not None else [])
-            if self._batches or self._waiting or self._prefilling:
-                job.owed += work_s
-                if job.spent > job.owed:
+            if not job.expired():
+                with self._cv:
+                    live = self._live()
+                if any(row.rewarm_wait + job.estimate_s() > self.rewarm_yield_s for row in live):
+                    job.yielded += 1
                     return
-                done = job.step(BUSY_CHUNK)
-            else:
-                done = job.step(WHOLE)
+            t0 = time.monotonic()
+            done = job.step(job.chunk)
+            t1 = time.monotonic()
+            with self._cv:  # every request that waited for this chunk: those queued during it too
+                for row in self._live():
+                    row.rewarm_wait += max(0.0, t1 - max(t0, row.submitted))
         except Exception as exc:  # out of memory, anything: the reload goes ahead cold
             log.warning("re-warm of v%s failed: %s: %s", job.policy.version, exc.__class__.__name__, exc)
             job.fail(exc)
@@ -189,6 +201,10 @@ class Batcher:
             with self._cv:
                 if self._rewarm is job:
                     self._rewarm = None
+
+    def _live(self) -> list[_Row]:
+        """Requests waiting, prefilling or decoding (call holding `_cv`: `_waiting` is shared)."""
+        return [*self._waiting, *self._prefilling, *(row for b in self._batches.values() for row in b.rows)]
 
     # -- the decode loop ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -208,7 +224,6 @@ class Batcher:
                         else:
                             self.aborted += 1
                     self._running += len(admit)
-                t0 = time.perf_counter()
                 for row in admit:
                     self._guard([row], lambda r=row: self._start(r))
                 for policy, batch, riders in self._work():
@@ -224,7 +239,7 @@ class Batcher:
                         if self.prefix is not None and version != self.engine._policy.version:
                             self.prefix.drop_version(version)  # and so is its KV
                 if self._rewarm is not None:  # a chunk at most per iteration: the old version keeps serving
-                    self._rewarm_step(time.perf_counter() - t0)
+                    self._rewarm_step()
 
     def _guard(self, rows: list[_Row], fn) -> None:
         try:

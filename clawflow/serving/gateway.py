@@ -18,7 +18,7 @@ from clawflow.serving.generation import Generation, SamplingParams
 from clawflow.serving.protocol import ChatCompletionRequest, completion_id, now
 from clawflow.serving.sessions import SessionTracker, split_new_messages
 from clawflow.serving.toolcalls import TOOL_CALL_OPEN, parse_tool_calls
-from clawflow.contracts.turn import TurnRecord
+from clawflow.contracts.turn import DEFAULT_USER, TurnRecord
 from clawflow.store.sealer import Sealer
 from clawflow.store.wal import SegmentWriter
 
@@ -34,6 +34,7 @@ class TurnContext:
     session_done: bool = False
     source: str = "live"
     record: bool = True  # False: internal callers (the judge), never training data
+    user: str = DEFAULT_USER  # the authenticated API key's owner (app.py sets it from the key)
 
 
 @dataclass
@@ -112,18 +113,18 @@ class Gateway:
         if not ctx.record:
             self.counters.unrecorded += 1
             return
-        session_id = self.tracker.resolve(messages, ctx.session_id)
+        session_id = self.tracker.resolve(messages, ctx.session_id, user=ctx.user)
         turn_index, new_messages = split_new_messages(messages)
         rec = TurnRecord(
             session_id=session_id, turn_index=turn_index, policy_version=gen.policy_version,
             messages=messages, prompt_token_ids=prompt_ids, response_token_ids=gen.token_ids,
             response_logprobs=gen.logprobs, response_text=gen.text, finish_reason=finish,
             new_messages=new_messages, turn_type=ctx.turn_type, source=ctx.source, group_id=group_id,
-            tools=req.tools, tool_calls=reply.get("tool_calls"), session_done=ctx.session_done,
+            tools=req.tools, tool_calls=reply.get("tool_calls"), session_done=ctx.session_done, user=ctx.user,
         )
         await asyncio.to_thread(self.writer.append, rec)  # durable before the reply completes
         self.tracker.remember(session_id, messages, {"role": "assistant", "content": reply.get("content") or "",
-                                                     "tool_calls": reply.get("tool_calls")})
+                                                     "tool_calls": reply.get("tool_calls")}, user=ctx.user)
         self.counters.turns_recorded += 1
 
     def logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> dict:

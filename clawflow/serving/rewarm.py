@@ -5,19 +5,27 @@ a reload follows every training run, so without this the user's next turn after 
 would prefill its whole agent prompt again (~16 s for OpenClaw's 7.7k tokens on 2 CPU cores).
 
 A `RewarmJob` runs on the batcher's decode thread, one chunk of prefill per loop iteration, between
-the old version's decode steps and prefills: the old version keeps serving meanwhile, and the prefix
-cache stays a one-thread structure. When no request is active, a prompt is prefilled in one pass
-(SDPA's causal kernel: on 2 cores a 7.4k-token prompt took 67 s in one pass under load, 104 s in
-2k-token chunks, whose attention runs with an explicit mask over the whole past); a request that
-arrives meanwhile waits for that pass. While requests are active the job gets at most half of the
-thread's time: a BUSY_CHUNK runs only once the requests' work since the job started exceeds the
-job's own, so streams slow to about half speed and never stall behind a whole prompt.
+the old version's decode steps and prefills: the old version keeps serving meanwhile (with its own
+warm prefix cache: a turn that shares the prompt being re-warmed reuses the old version's KV, so
+nothing the job does is done twice), and the prefix cache stays a one-thread structure.
+
+No turn waits behind a reload (issue 28): the job never runs a chunk longer than about `CHUNK_S`
+(the chunk's size in tokens is re-fitted after every chunk from the time per token the last one
+took, so it holds on any machine, model and position in the prompt), also when it started alone,
+and a request that arrives meanwhile is admitted after the chunk in progress. From then on the job
+runs a chunk only while every live request (waiting, prefilling or decoding) has waited behind the
+re-warm less than its allowance, `YIELD_S` in all, counting the chunk it arrived during: a turn is
+served at its normal latency plus at most about `YIELD_S`, and the job still moves on under steady
+traffic (each request lends it up to `YIELD_S`), and at full speed in the gaps between turns.
+Chunking costs the re-warm itself some speed (a chunk's attention over the cached part runs SDPA
+with an explicit mask, and each chunk re-reads the weights): the swap comes a little later, no
+request waits for it.
 
 The job's results go to its own staging `PrefixCache`, keyed by the new version, which also lets a
 later prompt reuse the re-warmed KV of an earlier one (agents share their system prompt: it is
 prefilled once). The engine installs the staged entries when it swaps; if the job fails (out
 of memory, any exception), the swap goes ahead cold. At the deadline the job stops and keeps what it
-has: a prompt prefilled part-way is kept as the prefix it reached.
+has, even while requests hold it off: a prompt prefilled part-way is kept as the prefix it reached.
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ from typing import Any
 
 import torch
 
+from clawflow.serving import fused_step
 from clawflow.serving.prefix_cache import Layers, PrefixCache
 
-BUSY_CHUNK = 256  # tokens per turn while requests are active (each chunk re-copies the KV so far: not tiny)
-WHOLE = 1 << 30  # idle: the rest of the prompt in one pass
+CHUNK_S = 0.25  # seconds one re-warm chunk aims at: what a request arriving mid-chunk waits at most
+YIELD_S = 0.5  # re-warm seconds a live request may wait behind, all chunks together
+FIRST_CHUNK = 32  # tokens of a job's first chunk, before any chunk was timed
+MIN_CHUNK, MAX_CHUNK = 16, 4096
 
 
 @dataclass
@@ -42,10 +53,13 @@ class RewarmResult:
     prefilled: int  # tokens run through the new model
     seconds: float
     complete: bool  # False: stopped at the deadline or by the budget before every hot prompt
+    chunks: int = 0  # forwards it took
+    yielded: int = 0  # loop iterations it gave way to requests
 
 
 class RewarmJob:
-    def __init__(self, policy: Any, budget_tokens: int, deadline: float, cache_tokens: int, min_tokens: int):
+    def __init__(self, policy: Any, budget_tokens: int, deadline: float, cache_tokens: int, min_tokens: int,
+                 chunk_s: float = CHUNK_S):
         self.policy, self.budget, self.deadline = policy, budget_tokens, deadline
         self.staging = PrefixCache(cache_tokens, min_tokens)
         self.queue: deque[tuple[int, ...]] = deque()
@@ -59,34 +73,56 @@ class RewarmJob:
         self._order: list[tuple[int, ...]] = []  # prompts staged, hottest first
         self._t0 = time.perf_counter()
         self.cancelled = False
-        self.spent = 0.0  # seconds this job has run
-        self.owed = 0.0  # seconds of request work the decode thread did while this job waited its turn
+        self.chunk_s = chunk_s
+        self.chunk = FIRST_CHUNK  # tokens of the next chunk: re-fitted to `chunk_s` after each one
+        self.per_token: float | None = None  # seconds per token of the last chunk
+        self.chunks = 0
+        self.yielded = 0  # counted by the batcher
 
     def begin(self, prompts: list[tuple[int, ...]]) -> None:
         """The prompts to re-warm, hottest first (read by the decode thread, which owns the cache)."""
         self.queue.extend(p for p in prompts if len(p) >= self.staging.min_tokens)
         self.started = True
 
+    def expired(self) -> bool:
+        return self.cancelled or time.monotonic() >= self.deadline
+
+    def estimate_s(self) -> float:
+        """Seconds the next chunk should take."""
+        return self.chunk_s if self.per_token is None else self.per_token * self.chunk
+
     def step(self, chunk: int) -> bool:
         """Prefill up to `chunk` tokens; True when the job has finished (its future is set)."""
-        if self.cancelled or time.monotonic() >= self.deadline:
+        if self.expired():
             return self._finish(complete=False)
         while self._tokens is None:
             if not self.queue:
                 return self._finish(complete=self.skipped == 0)
             self._start(self.queue.popleft())
-        end = min(self._done + chunk, len(self._tokens))
-        ids = torch.tensor([self._tokens[self._done:end]])
+        end = min(self._done + max(chunk, 1), len(self._tokens))
         t0 = time.perf_counter()
-        # logits_to_keep=1: nothing samples from these logits; skip the lm_head over the chunk
-        self.policy.model(ids, cache=self._cache, use_cache=True, logits_to_keep=1,
-                          position_ids=torch.arange(self._done, end)[None])
-        self.spent += time.perf_counter() - t0
-        self.prefilled += end - self._done
+        self._forward(list(self._tokens[self._done:end]))
+        dt = time.perf_counter() - t0
+        self.chunks += 1
+        n = end - self._done
+        if n >= MIN_CHUNK or self.per_token is None:  # a prompt's short tail times overheads, not tokens
+            self.per_token = dt / n
+            self.chunk = max(MIN_CHUNK, min(MAX_CHUNK, int(self.chunk_s / self.per_token)))
+        self.prefilled += n
         self._done = end
         if end == len(self._tokens):
             self._stage(self._tokens)
         return False
+
+    def _forward(self, ids: list[int]) -> None:
+        """`ids` at positions `_done`.. into the job's cache; the logits are not needed."""
+        model, start = self.policy.model, self._done
+        if fused_step.supports(model):  # the forward the batcher's chunked prefill runs
+            none = torch.zeros(0, dtype=torch.long)
+            fused_step.forward(model, none, none, None, None, [fused_step.Chunk(ids, start, self._cache)])
+        else:  # logits_to_keep=1: skip the lm_head over the chunk
+            model(torch.tensor([ids]), cache=self._cache, use_cache=True, logits_to_keep=1,
+                  position_ids=torch.arange(start, start + len(ids))[None])
 
     def fail(self, exc: BaseException) -> None:
         self._cache = None  # free the KV (an out-of-memory failure needs it back)
@@ -94,7 +130,7 @@ class RewarmJob:
             self.future.set_exception(exc)
 
     def _start(self, tokens: tuple[int, ...]) -> None:
-        from transformers import DynamicCache
+        from clawflow.serving.kv_cache import new_cache  # appends in place: a chunk does not re-copy the KV
 
         reused, layers = self.staging.lookup(self.policy.version, list(tokens))
         if reused == len(tokens) - 1 and any(t[: len(tokens)] == tokens for t, _ in self.staging.entries(
@@ -107,12 +143,13 @@ class RewarmJob:
             tokens = tokens[: reused + left]
             if left <= 0 or len(tokens) < self.staging.min_tokens:
                 return
-        self._cache = DynamicCache()
+        self._cache = new_cache()
         for i, (k, v) in enumerate(layers or []):
-            self._cache.update(k, v, i)  # copies (torch.cat): the staged KV stays intact
+            self._cache.update(k, v, i)  # copied into the job's buffer: the staged KV stays intact
         self._tokens, self._done = tokens, reused
 
     def _stage(self, tokens: tuple[int, ...]) -> None:
+        # views of the job's buffers; nothing writes to them again (the job drops its cache here)
         self.staging.store(self.policy.version, list(tokens), [(ly.keys, ly.values) for ly in self._cache.layers])
         self._order.append(tokens)
         self._tokens, self._cache = None, None
@@ -128,5 +165,6 @@ class RewarmJob:
                 seen.add(key)
                 entries.append((key, staged[key]))
         if not self.future.done():
-            self.future.set_result(RewarmResult(entries, self.prefilled, time.perf_counter() - self._t0, complete))
+            self.future.set_result(RewarmResult(entries, self.prefilled, time.perf_counter() - self._t0, complete,
+                                                self.chunks, self.yielded))
         return True

@@ -4,6 +4,12 @@ With `X-Session-Id` the client says so. Without it (most OpenAI clients) the ses
 a request whose messages start with an earlier turn's messages plus that turn's reply continues
 that session. Missing headers never mean "nothing trains".
 
+Sessions belong to users (the API key's owner, recorded as the turn's `user`): the tracker keys
+each remembered history by its user too, so a request of user B whose messages extend user A's
+turn starts a session of its own. An explicit `X-Session-Id` is recorded as the client sent it;
+a session is the pair (user, session_id), and the catalog pairs turns within that pair only
+(clawflow/store/queries.py), so two users who happen to send the same id stay apart.
+
 `turn_index` is the number of assistant messages in the request, so it survives restarts and
 needs no server state. `new_messages` are the messages after the last assistant message: the
 previous turn's next state (a user reply, tool results).
@@ -18,6 +24,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from clawflow.contracts.turn import DEFAULT_USER
 from clawflow.envelopes import normalize_text
 from clawflow.serving.protocol import tool_arguments
 
@@ -36,8 +43,9 @@ def _canon(msg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def history_key(messages: list[dict[str, Any]]) -> str:
-    blob = json.dumps([_canon(m) for m in messages], sort_keys=True, ensure_ascii=False)
+def history_key(messages: list[dict[str, Any]], user: str = DEFAULT_USER) -> str:
+    """The identity of `user`'s conversation `messages` (the same messages of another user differ)."""
+    blob = json.dumps([user, [_canon(m) for m in messages]], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -49,14 +57,14 @@ def split_new_messages(messages: list[dict[str, Any]]) -> tuple[int, list[dict[s
 
 
 class SessionTracker:
-    """Remembers (history + reply) → session for the most recent `capacity` turns."""
+    """Remembers (user, history + reply) → session for the most recent `capacity` turns."""
 
     def __init__(self, capacity: int = 10_000):
         self._by_history: OrderedDict[str, str] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
 
-    def resolve(self, messages: list[dict[str, Any]], header_session: str | None) -> str:
+    def resolve(self, messages: list[dict[str, Any]], header_session: str | None, *, user: str) -> str:
         if header_session:
             return header_session
         # Try the longest prefix that ends in an assistant reply: that is the turn we continue.
@@ -64,13 +72,14 @@ class SessionTracker:
             if messages[end - 1].get("role") != "assistant":
                 continue
             with self._lock:
-                found = self._by_history.get(history_key(messages[:end]))
+                found = self._by_history.get(history_key(messages[:end], user))
             if found:
                 return found
         return f"inferred-{uuid.uuid4().hex}"
 
-    def remember(self, session_id: str, messages: list[dict[str, Any]], reply: dict[str, Any]) -> None:
-        key = history_key([*messages, reply])
+    def remember(self, session_id: str, messages: list[dict[str, Any]], reply: dict[str, Any], *,
+                 user: str) -> None:
+        key = history_key([*messages, reply], user)
         with self._lock:
             self._by_history[key] = session_id
             self._by_history.move_to_end(key)

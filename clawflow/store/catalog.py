@@ -2,8 +2,8 @@
 
 One DuckDB file, written by one process at a time (the training flow, or a maintenance command):
 `shards` (every shard validated and registered: rows, bytes, time range, schema version),
-`turn_keys` (the small columns of every registered turn: ids, times, versions, token counts,
-its shard), `claims` (the batch a run is training on) and `consumed`/`runs` (what each
+`turn_keys` (the small columns of every registered turn: ids, user, times, versions, token
+counts, its shard), `claims` (the batch a run is training on) and `consumed`/`runs` (what each
 registered version trained on). Batch selection, pairing and stats run on `turn_keys`, so they
 do not rescan every shard; full rows are read from the few shards that hold the chosen turns,
 each schema version through its upgrade projection, so old shards stay readable. A shard is
@@ -41,14 +41,14 @@ from clawflow.home import Home
 from clawflow.store import journal, queries
 from clawflow.store.locks import store_lock
 from clawflow.store.metrics import STORE
-from clawflow.contracts.turn import sql_columns
+from clawflow.contracts.turn import DEFAULT_USER, sql_columns
 from clawflow.store.shards import CorruptShard, FutureShard, inspect_shard, quarantine, shard_bytes, shard_files
 from clawflow.store.storage import ChecksumMismatch, Storage
 from clawflow.store.tombstones import forgotten, load_tombstones
 
 log = logging.getLogger("clawflow.store.catalog")
 
-_SCHEMA = """
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS consumed (
     turn_id VARCHAR PRIMARY KEY, run_id VARCHAR, policy_version BIGINT, consumed_at TIMESTAMPTZ);
 CREATE TABLE IF NOT EXISTS runs (
@@ -59,9 +59,12 @@ CREATE TABLE IF NOT EXISTS shards (
 CREATE TABLE IF NOT EXISTS claims (turn_id VARCHAR PRIMARY KEY, claim_id VARCHAR, claimed_at TIMESTAMPTZ);
 CREATE TABLE IF NOT EXISTS turn_keys (
     turn_id VARCHAR, session_id VARCHAR, turn_index INTEGER, turn_type VARCHAR, created_at TIMESTAMPTZ,
-    policy_version BIGINT, session_done BOOLEAN, tokens INTEGER, path VARCHAR);
+    policy_version BIGINT, session_done BOOLEAN, tokens INTEGER, path VARCHAR, "user" VARCHAR);
+-- a catalog made before turn schema v3 held only older shards, whose turns are all the default user's
+ALTER TABLE turn_keys ADD COLUMN IF NOT EXISTS "user" VARCHAR DEFAULT '{DEFAULT_USER}';
 """
-_KEY_COLUMNS = ("turn_id", "session_id", "turn_index", "turn_type", "created_at", "policy_version", "session_done")
+_KEY_COLUMNS = ("turn_id", "session_id", "turn_index", "turn_type", "created_at", "policy_version", "session_done",
+                "user")
 
 
 class Catalog:
@@ -171,7 +174,7 @@ class Catalog:
         try:
             con.execute("DELETE FROM turn_keys WHERE path = $p", {"p": rel}).fetchall()
             con.register("_new_keys", keys)
-            con.execute("INSERT INTO turn_keys SELECT *, $p FROM _new_keys", {"p": rel}).fetchall()
+            con.execute("INSERT INTO turn_keys BY NAME SELECT *, $p AS path FROM _new_keys", {"p": rel}).fetchall()
             con.unregister("_new_keys")
             con.execute(
                 "INSERT OR REPLACE INTO shards VALUES ($p, $rows, $bytes, $first, $last, $v, $mtime, now())",

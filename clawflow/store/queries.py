@@ -1,7 +1,9 @@
 """Catalog queries, as SQL with one job each, on the `turn_keys` index and the shards.
 
-Pairing (turn t with its next state) joins main turns on (session, index + 1), taking the
-first-created turn t + 1 when there are several; side traffic is never anyone's next state. A
+Pairing (turn t with its next state) joins main turns on (user, session, index + 1), taking the
+first-created turn t + 1 when there are several; side traffic is never anyone's next state, and
+neither is another user's turn that sent the same `X-Session-Id` (a session is the pair
+(user, session_id); turns of shards older than schema v3 are user "default"). A
 batch is chosen on the keys (oldest pending turns that have a next turn, then the token budget),
 then the full rows of the chosen turns and of their next turns are read from the few shards
 that hold them. Judgments (the judge's `judgments/*.parquet` under the storage root) join by turn id;
@@ -47,7 +49,8 @@ pending AS (SELECT * FROM m
             WHERE NOT EXISTS (SELECT 1 FROM consumed AS c WHERE c.turn_id = m.turn_id)
               AND NOT EXISTS (SELECT 1 FROM claims AS k WHERE k.turn_id = m.turn_id)),
 pairs AS (SELECT * FROM {source} AS p
-          WHERE EXISTS (SELECT 1 FROM m AS n WHERE n.session_id = p.session_id AND n.turn_index = p.turn_index + 1))
+          WHERE EXISTS (SELECT 1 FROM m AS n WHERE n."user" = p."user" AND n.session_id = p.session_id
+                                                 AND n.turn_index = p.turn_index + 1))
 """
 
 _BATCH = _PENDING + """,
@@ -55,13 +58,14 @@ cand AS (SELECT * FROM pairs WHERE {where} ORDER BY created_at, turn_id LIMIT $m
 b AS (SELECT *, sum(tokens) OVER w AS cum, row_number() OVER w AS rn FROM cand
       WINDOW w AS (ORDER BY created_at, turn_id ROWS UNBOUNDED PRECEDING)),
 chosen AS (SELECT * FROM b WHERE {budget}),
-nxt AS (SELECT n.session_id, n.turn_index - 1 AS prev_index,
+nxt AS (SELECT n."user", n.session_id, n.turn_index - 1 AS prev_index,
                arg_min(n.turn_id, (n.created_at, n.turn_id)) AS next_id,
                arg_min(n.path, (n.created_at, n.turn_id)) AS next_path
-        FROM m AS n SEMI JOIN chosen AS c ON n.session_id = c.session_id AND n.turn_index = c.turn_index + 1
-        GROUP BY n.session_id, n.turn_index)
+        FROM m AS n SEMI JOIN chosen AS c
+             ON n."user" = c."user" AND n.session_id = c.session_id AND n.turn_index = c.turn_index + 1
+        GROUP BY n."user", n.session_id, n.turn_index)
 SELECT c.turn_id, nxt.next_id, c.path, nxt.next_path FROM chosen AS c
-JOIN nxt ON nxt.session_id = c.session_id AND nxt.prev_index = c.turn_index
+JOIN nxt ON nxt."user" = c."user" AND nxt.session_id = c.session_id AND nxt.prev_index = c.turn_index
 ORDER BY c.created_at, c.turn_id
 """
 
@@ -126,7 +130,8 @@ def closed_without_next_state(cat: CatalogView, con: duckdb.DuckDBPyConnection, 
                               now: datetime) -> list[Pair]:
     sql = _PENDING.format(source="pending") + """
         SELECT p.turn_id, p.path FROM pending AS p
-        WHERE NOT EXISTS (SELECT 1 FROM m AS n WHERE n.session_id = p.session_id AND n.turn_index = p.turn_index + 1)
+        WHERE NOT EXISTS (SELECT 1 FROM m AS n WHERE n."user" = p."user" AND n.session_id = p.session_id
+                                                 AND n.turn_index = p.turn_index + 1)
           AND (p.session_done OR p.created_at < $idle_before)
         ORDER BY p.created_at, p.turn_id"""
     keys = con.execute(sql, {"idle_before": now - timedelta(seconds=idle_s)}).fetchall()

@@ -1,9 +1,12 @@
 """Training FLOPs and a measured matmul peak, for an honest MFU (model FLOP utilization).
 
 Per real (non-padding) token the model's matmuls cost 2 * N_body FLOPs forward (N_body = weights
-outside the embedding), attention 4 * n_layers * hidden * context forward (QK^T and AV, PaLM's
-formula without the causal halving), and the LM head 2 * V * hidden forward but only at the
-positions whose logits the loss reads. Backward is 2x forward for full fine-tuning; with frozen
+outside the embedding), attention 4 * n_layers * hidden * context forward (QK^T and AV: 2 * hidden
+multiply-adds per key and layer each), and the LM head 2 * V * hidden forward but only at the
+positions whose logits the loss reads. `context` is the mean number of keys a query attends to:
+under the causal mask the token at position i sees i + 1, so a sequence of L tokens averages
+(L + 1) / 2, not L (`causal_context`; PaLM's appendix B formula counts the full L, i.e. also the
+masked half that a causal kernel skips). Backward is 2x forward for full fine-tuning; with frozen
 weights (LoRA) their weight gradients are skipped, so frozen matmuls cost 2x forward in total
 instead of 3x. The peak is measured, not taken from a datasheet: the best of a few square
 matmuls in the training dtype on this device with the current thread count.
@@ -31,9 +34,17 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     return {"body": body, "body_trainable": trainable, "embed": embed.numel()}
 
 
+def causal_context(lengths) -> float:
+    """Mean keys attended per query under a causal mask, over sequences of these real lengths:
+    sum L(L+1)/2 / sum L; (L + 1) / 2 for one sequence. The `context` of `train_flops`."""
+    lengths = [int(n) for n in lengths if n > 0]
+    return sum(n * (n + 1) / 2 for n in lengths) / sum(lengths) if lengths else 0.0
+
+
 def train_flops(counts: dict[str, int], n_layers: int, hidden: int, vocab: int, tokens: int,
                 context: float, logit_tokens: int, head_trainable: bool = True) -> float:
-    """FLOPs of one forward + backward over `tokens` real tokens of mean context `context`."""
+    """FLOPs of one forward + backward over `tokens` real tokens whose queries attend to `context`
+    keys on average (`causal_context` of their sequence lengths for causal attention)."""
     frozen = counts["body"] - counts["body_trainable"]
     body = tokens * (6 * counts["body_trainable"] + 4 * frozen)
     attention = tokens * 3 * 4 * n_layers * hidden * context

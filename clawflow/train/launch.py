@@ -34,7 +34,8 @@ class TrainingError(RuntimeError):
 
 
 def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, out: Path,
-                     parent_version: int = 0, frozen_base: str | None = None, stop_after: int = 0) -> list[str]:
+                     parent_version: int = 0, frozen_base: str | None = None, stop_after: int = 0,
+                     preferences: Path | None = None) -> list[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(cfg),
         f"--nproc_per_node={cfg.train.nproc}",
@@ -42,7 +43,8 @@ def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, ou
         "--config", str(config_path), "--base", str(base), "--batch", str(batch), "--out", str(out),
         "--parent-version", str(parent_version), "--stop-after", str(stop_after),
     ]  # fmt: skip
-    return cmd + (["--frozen-base", str(frozen_base)] if frozen_base else [])
+    return cmd + (["--frozen-base", str(frozen_base)] if frozen_base else []) \
+        + (["--preferences", str(preferences)] if preferences else [])
 
 
 def _rendezvous_args(cfg: Config) -> list[str]:
@@ -66,10 +68,12 @@ def run_training(
     parent_version: int = 0,
     frozen_base: str | Path | None = None,
     stop_after: int = 0,
+    preferences: Path | None = None,
 ) -> dict:
     """Train `base` (registry version `parent_version`) on the samples in `batch`, writing a
     checkpoint directory at `out`. `frozen_base` is the OPD teacher / KL reference when the config
-    asks for the frozen base; `stop_after` stops resumably after that many steps (tests, time boxes).
+    asks for the frozen base; `stop_after` stops resumably after that many steps (tests, time boxes);
+    `preferences` a JSON file of the user's standing preferences to distil.
 
     Returns the parsed `out/train_metrics.json`; raises `TrainingError` on a non-zero exit or
     a timeout (the whole process group is stopped); `.resumable` tells whether a rerun resumes.
@@ -82,7 +86,8 @@ def run_training(
     pkg_root = str(Path(clawflow.__file__).resolve().parents[1])  # importable in the children
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     cmd = torchrun_command(Path(config_path).resolve(), cfg, Path(base).resolve(), Path(batch).resolve(), out,
-                           parent_version, _model_ref(frozen_base), stop_after)
+                           parent_version, _model_ref(frozen_base), stop_after,
+                           Path(preferences).resolve() if preferences else None)
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()

@@ -48,13 +48,19 @@ class Item:
     hint: str = ""  # distill: the hint in `teacher_prompt`, and what it was built from (to rebuild it with another)
     messages: list | None = None
     tools: list | None = None
+    broad: bool = False  # a general prompt distilling the standing preferences (broad_items)
 
 
 def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample], tokenizer,
-                  parent_version: int) -> tuple[list[Item], dict[str, int]]:
-    """The trainable items and counts of what was left out and why."""
+                  parent_version: int, preferences: list[dict] | None = None,
+                  broad_seed: int = 0) -> tuple[list[Item], dict[str, int]]:
+    """The trainable items and counts of what was left out and why. With standing `preferences`
+    (the flow's `--preferences` file: the user's active ones, strongest first), every rewrite and
+    rehearsal reads them, and `train.broad_prompts` general prompts distil them (`broad_items`)."""
+    taught = teaching(preferences, cfg.max_preferences)
     if not samples:
-        return [], {"samples": 0}
+        broad = broad_items(cfg, taught, tokenizer, 0, broad_seed) if objective.rewrites else []
+        return broad, {"samples": 0, "broad": len(broad)}
     gids: dict[str, int] = {}
     group = torch.tensor([gids.setdefault(s.group_id, len(gids)) if s.group_id else -1 for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -79,12 +85,40 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
                           float(rl_adv[i]), float(weight[i]), teacher, bool(rewrite[i]),
                           last_user_text(s.messages) if rewrite[i] else "",
                           hint=s.hint or "", messages=s.messages if rewrite[i] else None, tools=s.tools))
-    rehearsed = rehearsal_items(cfg, [s.hint for i, s in enumerate(samples) if rewrite[i] and active[i]],
-                                tokenizer, len(samples), parent_version) if objective.rewrites else []
+    run_hints = [taught] if taught else [s.hint for i, s in enumerate(samples) if rewrite[i] and active[i]]
+    rehearsed = rehearsal_items(cfg, run_hints, tokenizer, len(samples), parent_version) if objective.rewrites else []
+    broad = broad_items(cfg, taught, tokenizer, len(samples) + len(rehearsed), broad_seed) \
+        if objective.rewrites else []
     counts = {"samples": len(samples), "trainable": len(items), "with_hint": int(hinted.sum()),
               "hint_without_messages": sum(1 for s in samples if s.hint and not s.messages),
-              "stale_dropped": int((weight == 0).sum()), "rehearsal": len(rehearsed)}
-    return items + rehearsed, counts
+              "stale_dropped": int((weight == 0).sum()), "rehearsal": len(rehearsed), "broad": len(broad)}
+    return items + rehearsed + broad, counts
+
+
+def teaching(preferences: list[dict] | None, limit: int) -> str:
+    """The words the teacher reads for standing `preferences` (each a dict with `text`)."""
+    from clawflow.prefs.update import teacher_text
+
+    return teacher_text([p["text"] for p in preferences or []], limit)
+
+
+def broad_items(cfg: TrainConfig, taught: str, tokenizer, first_index: int, seed: int) -> list[Item]:
+    """`train.broad_prompts` general prompts, a fresh sample per run (`seed`), each to be answered by
+    the policy with the standing preferences in its system prompt and learned from the plain prompt:
+    the preferences reach prompts the user never asked about (context distillation, Snell et al.
+    2022). No key facts to check: a rewrite must only say something and answer its prompt."""
+    if not cfg.broad_prompts or not taught or tokenizer is None:
+        return []
+    from clawflow.train.prompts import load_prompts, sample_prompts
+
+    chosen = sample_prompts(load_prompts(cfg.broad_prompts_file), cfg.broad_prompts, seed)
+    out = []
+    for k, p in enumerate(chosen):
+        messages = [{"role": "user", "content": p.prompt}]
+        hinted = teacher_prompt_ids(tokenizer, messages, taught, in_system=True)
+        out.append(Item(first_index + k, chat_prompt_ids(tokenizer, messages), [], [], 0.0, 1.0, hinted, True,
+                        p.prompt, (), hint=taught, messages=messages, broad=True))
+    return out
 
 
 def rehearsal_items(cfg: TrainConfig, hints: list[str], tokenizer, first_index: int, parent_version: int) -> list[Item]:
@@ -111,18 +145,19 @@ def last_user_text(messages: list[dict] | None) -> str:
     return ""
 
 
-def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int) -> tuple[list[Item], dict, list[str]]:
+def load_items(cfg: TrainConfig, batch: Path, base: Path, parent_version: int,
+               preferences: list[dict] | None = None, broad_seed: int = 0) -> tuple[list[Item], dict, list[str]]:
     """Read the sample file and prepare its trainable items; InputError when there are none."""
     if not batch.is_file():
         raise InputError(f"batch file not found: {batch}")
     samples = load_samples(batch)
     objective = Objective.from_config(cfg)
     tokenizer = None
-    if objective.uses_hints and any(s.hint for s in samples):  # the base's chat template
+    if objective.uses_hints and (any(s.hint for s in samples) or preferences):  # the base's chat template
         from clawflow.policy.loader import tokenizer_for
 
         tokenizer = tokenizer_for(base)
-    items, counts = prepare_items(cfg, objective, samples, tokenizer, parent_version)
+    items, counts = prepare_items(cfg, objective, samples, tokenizer, parent_version, preferences, broad_seed)
     if not items:
         raise InputError(f"no trainable samples in {batch}: {len(samples)} rows, none with a non-zero advantage "
                          f"or a hint for objective {cfg.objective!r} ({counts})", code=EXIT_NO_SAMPLES)

@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import time
+import zlib
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -52,11 +53,12 @@ from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
 from clawflow.train.rewrite import eos_token_ids, generate_rewrites
-from clawflow.train.rewrite_choice import best_of_n, strongest_hint, usable_rewrite
+from clawflow.train.rewrite_choice import best_of_n, degenerate_hints, strongest_hint, usable_rewrite
 from clawflow.train.scoring import cached, dummy_forward, score_items
 from clawflow.train.teacher import teacher_prompt_ids
 
 EXIT_INTERRUPTED = 75
+PREFERENCES_REPORT = "preferences.json"
 
 
 class Interrupted(Exception):
@@ -73,6 +75,9 @@ class Recipe:
         self.history: list[dict] = []
         self.cache: dict[str, dict[int, torch.Tensor]] = {"old": {}, "teacher": {}, "ref": {}}
         self.start_step, self.stop_requested, self.started = 0, False, time.monotonic()
+        self.preferences: list[dict] = getattr(args, "preferences_list", None) or []
+        self.dropped: set[int] = set()  # items of preferences dropped for this run
+        self.pref_report: dict | None = None
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -126,12 +131,18 @@ class Recipe:
             return
         done = self.cache.setdefault("rewrite", {})
         missing = [it for it in todo if it.index not in done]
+        if "preferences" in self.cache:  # a resumed run: what its first start measured and dropped
+            self.pref_report = self.cache["preferences"]
+            self.dropped = set(self.cache["dropped"])
         tok = tokenizer_for(self.base_dir)  # the one the plan used (train/plan.py), not loaded again
         # generation is decode-bound: on CPU, the serving engine's packed fp32 Linears where they are
         # faster (policy/packed_linear.py; the same fp32 math), unpacked before training
         packed = bool(missing) and self.device.type == "cpu" and pack_if_faster(model)
         try:
-            if missing and self.cfg.rewrite_hints == "strongest":
+            if missing and self.preferences:
+                self.use_preferences(model, missing, tok)
+                missing = [it for it in missing if it.index not in self.dropped]
+            elif missing and self.cfg.rewrite_hints == "strongest":
                 self.use_strongest_hint(model, missing, tok)
             if missing:
                 t0 = time.monotonic()
@@ -142,20 +153,27 @@ class Recipe:
                                                 self.cfg.rewrite_max_tokens, eos_token_ids(model), self.pad_id)
                 replies = D.broadcast_from_rank0(replies)
                 done.update(zip((it.index for it in missing), replies))
-                self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns and rehearsal) with "
+                self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns, rehearsal, general "
+                          f"prompts) with "
                           f"hints in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} "
                           f"tokens{', packed Linears' if packed else ''})")
         finally:
             if packed:
                 unpack_linears(model)
-        eos, off = eos_token_ids(model), set()
+        eos, off = eos_token_ids(model), set(self.dropped)
         for it in todo:
+            if it.index in off:
+                continue
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
             if not usable_rewrite(it, it.response, tok.decode(it.response, skip_special_tokens=True), eos):
                 off.add(it.index)
         if off:
             self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty, off the request, "
-                      f"or without the key fact)")
+                      f"without the key fact, or of a dropped preference)")
+        broad = [it for it in todo if it.broad]
+        if broad:
+            self._log(f"clawflow.train: {sum(it.index not in off for it in broad)} of {len(broad)} general prompts "
+                      f"distil the standing preferences")
         self.items = [it for it in self.items if it.index not in off]
         if not self.items:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
@@ -178,6 +196,47 @@ class Recipe:
             if it.messages is not None:
                 it.hint = best
                 it.teacher_prompt = teacher_prompt_ids(tok, it.messages, best, it.tools, in_system=in_system)
+
+    def use_preferences(self, model, items: list[Item], tok) -> None:
+        """Standing preferences (`--preferences`): every variant's strength measured (rank 0), each
+        preference read in its strongest words, one whose teacher answers are empty or off the
+        question dropped for this run; every rewrite then reads them (a corrected turn adds its own
+        hint when that one is about the turn's content, not a standing preference)."""
+        from clawflow.prefs.axes import stance
+        from clawflow.prefs.update import teacher_text
+
+        report = None
+        if self.rank == 0:
+            texts = sorted({v for p in self.preferences for v in p["variants"]})
+            _, strength = strongest_hint(model, tok, texts, self.cfg, self.pad_id, self.device)
+            prefs = []
+            for p in self.preferences:
+                best = max(p["variants"], key=lambda v: strength.get(v, float("-inf")))
+                prefs.append({"pref_id": p["pref_id"], "text": best, "strength": strength.get(best, 0.0)})
+            prefs.sort(key=lambda p: -p["strength"])
+            bad = degenerate_hints(model, tok, [p["text"] for p in prefs], self.cfg, self.pad_id)
+            kept = [p for p in prefs if p["text"] not in bad]
+            report = {"strengths": strength, "taught": teacher_text([p["text"] for p in kept], self.cfg.max_preferences),
+                      "preferences": prefs, "dropped": [{**p, "why": bad[p["text"]]} for p in prefs
+                                                        if p["text"] in bad]}
+        self.pref_report = self.cache["preferences"] = report = D.broadcast_from_rank0(report)
+        self._log("clawflow.train: preference strengths " + json.dumps({k[:40]: round(v, 3) for k, v in
+                                                                         report["strengths"].items()}))
+        for d in report["dropped"]:
+            self._log(f"clawflow.train: preference {d['pref_id']} ({d['text'][:50]!r}) dropped for this run: {d['why']}")
+        taught = report["taught"]
+        self._log(f"clawflow.train: the teacher reads {taught!r}")
+        for it in items:
+            if it.messages is None:
+                continue
+            if not taught and (it.broad or it.facts):
+                self.dropped.add(it.index)  # nothing left to practise
+                continue
+            own = it.hint.strip() if not (it.broad or it.facts) else ""
+            it.hint = " ".join(x for x in (taught, own if own and stance(own) is None else "") if x)
+            it.teacher_prompt = teacher_prompt_ids(tok, it.messages, it.hint, it.tools,
+                                                   in_system=it.broad or self.cfg.rewrite_hint == "system")
+        self.cache["dropped"] = sorted(self.dropped)
 
     def best_of_n(self, model, items: list[Item], tok) -> list[list[int]]:
         cfg = self.cfg
@@ -333,6 +392,8 @@ class Recipe:
                     "lora": self.cfg.lora is not None, "objective": self.cfg.objective, "teacher": self.cfg.teacher,
                     "turns_consumed": len(self.turn_ids), "turn_ids": self.turn_ids, "counts": self.counts}
             ckpt.write_final(tmp, meta, totals, self.history, optim_state)
+            if self.pref_report is not None:  # read back by the flow: strengths, what was taught and dropped
+                (tmp / PREFERENCES_REPORT).write_text(json.dumps(self.pref_report, indent=1))
             ckpt.finish(tmp, self.out)
             shutil.rmtree(ckpt.resume_dir(self.out), ignore_errors=True)
             self._log(f"clawflow.train: saved {self.out}")
@@ -355,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-version", type=int, default=0, help="registry version of --base (staleness, metadata)")
     p.add_argument("--frozen-base", default=None, help="the frozen base, a directory or hub id (teacher: base, KL ref)")
     p.add_argument("--stop-after", type=int, default=0, help="stop resumably after this many steps (0: never)")
+    p.add_argument("--preferences", type=Path, default=None,
+                   help="JSON list of the user's standing preferences ({pref_id, text, variants}), strongest first")
     args = p.parse_args(argv)
     args.base, args.out = args.base.resolve(), args.out.resolve()
     try:
@@ -363,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"base model directory not found: {args.base}")
         if args.out.exists():
             raise InputError(f"output already exists, refusing to overwrite: {args.out}")
-        items, counts, turn_ids = load_items(cfg, args.batch, args.base, args.parent_version)
+        args.preferences_list = json.loads(args.preferences.read_text()) if args.preferences else []
+        items, counts, turn_ids = load_items(cfg, args.batch, args.base, args.parent_version,
+                                             args.preferences_list, zlib.crc32(args.out.name.encode()))
         recipe = Recipe(cfg, args, items, counts, turn_ids)
         recipe.setup()
     except (InputError, ConfigError, ValueError, OSError) as exc:

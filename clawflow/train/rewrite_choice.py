@@ -56,6 +56,32 @@ def strongest_hint(model, tok, hints: list[str], cfg: TrainConfig, pad_id: int,
     return max(hints, key=lambda h: strength[h]), strength
 
 
+def degenerate_hints(model, tok, hints: list[str], cfg: TrainConfig, pad_id: int) -> dict[str, str]:
+    """{hint: why} for each hint whose teacher (the policy with it in the system prompt) answers most
+    of a few rehearsal questions with nothing or off the question: distilled, it would teach that."""
+    probes = [q.prompt for q in load_rehearsal(cfg.rehearsal_prompts)[:HINT_PROBES]]
+    if not hints or not probes:
+        return {}
+    eos = eos_token_ids(model)
+    prompts = [teacher_prompt_ids(tok, [{"role": "user", "content": q}], h, in_system=True) for h in hints for q in probes]
+    answers = generate_rewrites(model, prompts, HINT_PROBE_TOKENS, eos, pad_id)
+    texts = [tok.decode([t for t in a if t not in eos], skip_special_tokens=True) for a in answers]
+    n = len(probes)
+    return {h: why for k, h in enumerate(hints) if (why := degenerate(probes, texts[k * n : (k + 1) * n]))}
+
+
+def degenerate(questions: list[str], answers: list[str]) -> str | None:
+    """Why a teacher's `answers` to `questions` would teach nothing good (most are empty, off the
+    question, or one and the same answer), or None. Pure."""
+    bad = sum(not a.strip() or not addresses(q, a) for q, a in zip(questions, answers, strict=True))
+    n = len(questions)
+    if 2 * bad > n:
+        return f"{bad} of {n} of its teacher's answers to general questions were empty or off the question"
+    if n > 2 and len({a.strip().lower() for a in answers}) == 1:
+        return f"its teacher gave one answer to {n} different questions"
+    return None
+
+
 def best_of_n(model, tok, items: list[Item], cfg: TrainConfig, pad_id: int) -> tuple[dict[int, list[int]], float]:
     """({item index: the chosen rewrite's tokens}, share of candidates usable). Per item the usable
     candidate chosen by `cfg.rewrite_select`, else the greedy one (left out afterwards as unusable).

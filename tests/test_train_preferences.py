@@ -1,0 +1,112 @@
+"""Standing preferences in the trainer: every run distils them over freshly drawn general prompts,
+reads each in its strongest words, and keeps a corrected turn's own content hint beside them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from transformers import AutoTokenizer
+
+from clawflow.config import REPO_ROOT, load_config
+from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
+from clawflow.train import launch
+from clawflow.train.checkpoint import META_FILE
+from clawflow.train.plan import broad_items, teaching
+from clawflow.train.prompts import load_prompts
+from clawflow.train.recipe import PREFERENCES_REPORT
+from clawflow.train.rewrite_choice import degenerate
+from tests.test_train_distill import CONVERSATIONS, MAX_TOKENS
+from tests.test_train_opd import encode
+
+# requests of function words only: a random model's answers are never judged off the request
+PROMPTS = ["What is it?", "Can you do that?", "How would that be?", "Why is it so?", "What about this one?",
+           "Is that it?"]
+
+
+def _prompts_file(tmp_path):
+    f = tmp_path / "prompts.yaml"
+    f.write_text(yaml.safe_dump({"prompts": [{"prompt": p, "kind": "smalltalk"} for p in PROMPTS]}))
+    return f
+
+
+def test_degenerate_teacher_answers():
+    qs = ["What is the capital of Canada?", "Which gas do plants absorb?", "Who wrote Hamlet?", "What is H2O?"]
+    assert degenerate(qs, ["Ottawa is the capital of Canada.", "Plants absorb carbon dioxide gas.",
+                           "Shakespeare wrote Hamlet.", "H2O is water."]) is None
+    assert "empty or off" in degenerate(qs, ["", "", "Shakespeare wrote Hamlet.", " "])
+    assert "empty or off" in degenerate(qs, ["I'm sorry for any confusion."] * 4)
+
+
+def test_broad_items_are_a_fresh_sample_per_run_and_read_the_preferences(tiny_model_dir, tmp_path):
+    from clawflow.config import TrainConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = TrainConfig(broad_prompts=3, broad_prompts_file=_prompts_file(tmp_path))
+    taught = teaching([{"text": "Answer in at most 20 words"}, {"text": "Always end with a question."}], 4)
+    assert taught == "Answer in at most 20 words. Always end with a question."
+    a, b = broad_items(cfg, taught, tok, 10, seed=1), broad_items(cfg, taught, tok, 10, seed=2)
+    assert [it.index for it in a] == [10, 11, 12] and all(it.broad and it.rewrite and it.hint == taught for it in a)
+    assert {it.request for it in a} != {it.request for it in b}  # another run, other prompts
+    assert taught in tok.decode(a[0].teacher_prompt) and taught not in tok.decode(a[0].prompt)
+    assert broad_items(cfg, "", tok, 0, 1) == []  # nothing standing: nothing to distil
+    assert len(load_prompts()) >= 300  # the shipped set
+
+
+@pytest.mark.slow  # one torchrun run
+def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_model_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages, _ = CONVERSATIONS[0]
+    row = {"turn_id": "t0", "prompt_token_ids": encode(tok, messages), "response_logprobs": [-1.0] * 4,
+           "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4, "reward": -1.0,
+           "hint": "No, it was in 1945.", "messages": json.dumps(messages), "tools": None, "group_id": None,
+           "policy_version": 0}
+    batch = tmp_path / "samples.parquet"
+    pq.write_table(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), batch)
+    prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy.", "Answer in at most 20 words."]},
+             {"pref_id": "p-2", "text": "Always end your reply with a question.",
+              "variants": ["Always end your reply with a question."]}]
+    pfile = tmp_path / "prefs.json"
+    pfile.write_text(json.dumps(prefs))
+    qfile = tmp_path / "questions.yaml"  # the hint-strength and degeneracy probes
+    qfile.write_text(yaml.safe_dump({"questions": [{"prompt": p, "facts": [".*"]} for p in PROMPTS[:4]]}))
+    # the flow's task passes --preferences (tasks/training.py train_policy); so does this test
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["home"] = str(tmp_path / "home")
+    raw["train"].update(micro_batch=2, lr=3e-3, epochs=2, objective="distill", rewrite_max_tokens=MAX_TOKENS,
+                        rewrite_samples=1, broad_prompts=4, broad_prompts_file=str(_prompts_file(tmp_path)),
+                        rehearsal_prompts=str(qfile), rehearsal=0)
+    cfg_path = tmp_path / "prefs.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "prefs-out"
+    metrics = launch.run_training(cfg_path, load_config(cfg_path), Path(tiny_model_dir), batch, out, timeout_s=300,
+                                  frozen_base=Path(tiny_model_dir), preferences=pfile)
+    meta = json.loads((out / META_FILE).read_text())
+    assert meta["counts"]["broad"] == 4
+    report = json.loads((out / PREFERENCES_REPORT).read_text())
+    assert set(report["strengths"]) == {"Too wordy.", "Answer in at most 20 words.",
+                                        "Always end your reply with a question."}
+    strongest = max(["Too wordy.", "Answer in at most 20 words."], key=report["strengths"].get)
+    chosen = {p["pref_id"]: p["text"] for p in report["preferences"]}
+    assert chosen == {"p-1": strongest, "p-2": "Always end your reply with a question."}  # each in its strongest words
+    assert [p["strength"] for p in report["preferences"]] == sorted((p["strength"] for p in report["preferences"]),
+                                                                    reverse=True)
+    kept = [p["text"] for p in report["preferences"] if p["text"] not in {d["text"] for d in report["dropped"]}]
+    assert report["taught"] == " ".join(t if t.endswith(".") else t + "." for t in kept)
+    log = (tmp_path / "prefs-out.log").read_text()
+    assert "the teacher reads" in log and "general prompts distil the standing preferences" in log
+    assert metrics["steps"] >= 1
+
+    # the policy moved toward the preference it was taught: the gate's measure (the teacher's answers
+    # from the plain prompt, candidate vs start) is positive
+    from clawflow.helpfulness import load_model
+    from clawflow.policy import preference_probe as P
+
+    base, tok = load_model(tiny_model_dir)
+    trained, _ = load_model(out)
+    answers = P.teacher_answers(base, tok, PROMPTS, report["taught"], MAX_TOKENS)
+    assert P.gain(P.answer_loglik(base, tok, PROMPTS, answers), P.answer_loglik(trained, tok, PROMPTS, answers)) > 0
