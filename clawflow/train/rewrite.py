@@ -194,7 +194,7 @@ def choose(candidates: list[Candidate], usable: list[bool], select: str) -> int 
     `plain`: the most likely under the plain prompt (sum of logprobs), i.e. the hinted answer the
     student finds least surprising. On SmolLM2-135M a style hint makes greedy answers lose facts the
     plain model states ("A right angle is approximately 180 degrees"); of the hinted candidates, the
-    one the plain model finds most likely keeps them (issue #15, README). `poe`: the most likely
+    one the plain model finds most likely keeps them (issue #15, docs/learning.md). `poe`: the most likely
     under both prompts together. `greedy`: the first (greedy) candidate."""
     ok = [k for k, u in enumerate(usable) if u]
     if not ok:
