@@ -91,9 +91,19 @@ class Helpfulness:
     empty_share: float
     n: int
     replies: list[str] = field(default_factory=list)
+    stated: list[bool] = field(default_factory=list)  # per question: the reply states its key fact
 
     def as_metrics(self, prefix: str = "help_") -> dict[str, float]:
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "replies"}
+        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k not in ("replies", "stated")}
+
+
+def paired(candidate: Helpfulness, reference: Helpfulness) -> tuple[int, int]:
+    """(questions the reference answered with their fact and the candidate no longer does, the
+    reverse): two rates can hide a swap of many questions; the paired counts do not. Pure."""
+    if len(candidate.stated) != len(reference.stated):
+        raise ValueError(f"{len(candidate.stated)} vs {len(reference.stated)} questions")
+    pairs = list(zip(candidate.stated, reference.stated))
+    return sum(r and not c for c, r in pairs), sum(c and not r for c, r in pairs)
 
 
 def _words(text: str) -> list[str]:
@@ -136,7 +146,8 @@ def score(questions: list[Question], replies: list[str], relevance: list[float] 
     n = len(replies)
     dup = sum(any(j != i and near_same(r, s) for j, s in enumerate(replies)) for i, r in enumerate(replies))
     off = sum(x < offtopic_threshold for x in relevance) / n if relevance is not None else 0.0
-    return Helpfulness(facts_rate=sum(q.stated_in(r) for q, r in zip(questions, replies)) / n,
+    stated = [q.stated_in(r) for q, r in zip(questions, replies)]
+    return Helpfulness(facts_rate=sum(stated) / n, stated=stated,
                        duplicate_share=dup / n, offtopic_share=off, repetitive_share=sum(map(loops, replies)) / n,
                        empty_share=sum(not r.strip() for r in replies) / n, n=n, replies=list(replies))
 
@@ -257,8 +268,10 @@ def verdict(candidate: Helpfulness, references: dict[str, Helpfulness], cfg: Any
     c = candidate
     for name, ref in references.items():
         if c.facts_rate < ref.facts_rate - cfg.margin:
+            lost, gained = paired(c, ref)
             return (f"helpfulness fell: key facts stated in {c.facts_rate:.3f} of {c.n} held-out answers "
-                    f"vs {ref.facts_rate:.3f} for the {name} (margin {cfg.margin})")
+                    f"vs {ref.facts_rate:.3f} for the {name} (margin {cfg.margin}; {lost} questions lost, "
+                    f"{gained} gained)")
     if c.duplicate_share > cfg.max_duplicate_share:
         return (f"degenerate replies: {c.duplicate_share:.3f} of answers repeat another question's answer "
                 f"(max {cfg.max_duplicate_share}; facts {c.facts_rate:.3f})")

@@ -205,3 +205,18 @@ def test_a_gate_whose_generation_runs_out_of_time_rejects(checkpoints, tmp_path)
     champion, normal, _, qfile = checkpoints
     r = evaluate(_gate(qfile, timeout_s=1e-6), normal, champion, None, champion, tmp_path / "cache")
     assert not r.passed and r.reason.startswith("helpfulness check failed (TimeoutError"), r.reason
+
+
+def test_paired_counts_show_a_swap_two_rates_hide():
+    from clawflow.config import HelpfulnessGateConfig
+    from clawflow.helpfulness import Question, paired, score, verdict
+
+    qs = [Question(f"What is thing {k}?", [f"fact{k}"]) for k in range(20)]
+    ref = score(qs, [f"It is fact{k}." if k < 10 else "No idea." for k in range(20)])
+    swapped = score(qs, [f"It is fact{k}." if k >= 10 else "No idea." for k in range(20)])
+    assert ref.facts_rate == swapped.facts_rate == 0.5
+    assert paired(swapped, ref) == (10, 10)
+    worse = score(qs, [f"It is fact{k}." if k < 7 else "No idea." for k in range(20)])
+    assert paired(worse, ref) == (3, 0)
+    why = verdict(worse, {"champion": ref}, HelpfulnessGateConfig(margin=0.1))
+    assert why is not None and "3 questions lost, 0 gained" in why

@@ -166,19 +166,13 @@ def test_a_prompt_longer_than_the_cache_is_served_uncached(tiny_model_dir, pertu
 
 
 def test_requests_are_served_by_the_old_version_while_a_rewarm_runs(engine, perturbed_model_dir, monkeypatch):
-    """A slow re-warm (each chunk held 0.1 s longer) over several hot prompts: a request sent
-    meanwhile is served, by the old version, before the reload returns."""
+    """A slow re-warm (the new weights cost 10 ms more a token) over several hot prompts: a request
+    sent meanwhile is served, by the old version, before the reload returns."""
     import threading
 
     for q in ("Atlases?", "Poetry?", "Maps?", "Globes?", "Cookbooks?", "Novels?"):
         engine.generate(chat(engine, q, system=f"{SYSTEM} ({q})"), greedy(1))
-    step = rewarm_mod.RewarmJob.step
-
-    def slow(self, chunk):
-        time.sleep(0.1)
-        return step(self, chunk)
-
-    monkeypatch.setattr(rewarm_mod.RewarmJob, "step", slow)
+    slow_new_weights(engine, monkeypatch, per_token=0.01)
     reload = threading.Thread(target=engine.reload, args=(perturbed_model_dir, 1))
     reload.start()
     time.sleep(0.15)
@@ -203,13 +197,17 @@ def long_system(engine, tokens: int = 1500) -> str:
 
 
 def slow_new_weights(engine, monkeypatch, per_token: float = PER_TOKEN_S) -> None:
-    """Every model the engine loads from here on costs `per_token` more seconds per input token (a
-    hook on its real embedding, which every forward runs: the fused step's and transformers')."""
+    """Every model the engine loads from here on costs `per_token` more seconds per input token,
+    spread over its decoder layers (a hook on each layer's real input norm, which every forward runs:
+    the fused step's and transformers')."""
     load = engine._load
 
     def slow_load(path):
         model = load(path)
-        model.get_input_embeddings().register_forward_hook(lambda m, args, out: time.sleep(args[0].numel() * per_token))
+        layers = model.model.layers
+        for layer in layers:
+            layer.input_layernorm.register_forward_hook(
+                lambda m, args, out: time.sleep(args[0].numel() // args[0].shape[-1] * per_token / len(layers)))
         return model
 
     monkeypatch.setattr(engine, "_load", slow_load)
@@ -241,12 +239,17 @@ def served_alone(model_dir: str, prompt: list[int], params: SamplingParams) -> l
         plain.close()
 
 
+@pytest.mark.parametrize("layered", [True, False], ids=["by-layer", "by-chunk"])
 def test_a_turn_sent_during_a_long_rewarm_is_served_long_before_it_ends(engine, tiny_model_dir, perturbed_model_dir,
-                                                                        monkeypatch):
+                                                                        monkeypatch, layered):
     """The re-warm of one ~1.5k-token prompt on slow new weights takes seconds and starts alone; a
-    turn sharing its system prompt, sent meanwhile, waits at most a chunk or two: it is served by the
+    turn sharing its system prompt, sent meanwhile, waits at most a step or two: it is served by the
     old version (whose cached KV of that prompt it reuses) well before the re-warm ends, with the
-    tokens it gets alone; and the re-warm still completes, so the new version's cache holds the prompt."""
+    tokens it gets alone; and the re-warm still completes, so the new version's cache holds the prompt.
+    by-layer: the Llama-family path (steps stop between decoder layers); by-chunk: any other model's
+    (transformers' forward, a chunk a step; the tiny Llama taken for one here)."""
+    if not layered:
+        monkeypatch.setattr(rewarm_mod.fused_step, "supports", lambda model: False)
     system = long_system(engine)
     hot = chat(engine, "Where are the atlases?", system=system)
     engine.generate(hot, greedy(1))
@@ -264,7 +267,7 @@ def test_a_turn_sent_during_a_long_rewarm_is_served_long_before_it_ends(engine, 
     assert reload.is_alive(), "the turn waited for the whole re-warm"
     reload.join(120)
     info = engine.last_rewarm
-    # the re-warm alone: >= 1.4k tokens x 3 ms; the turn: a chunk in progress + its allowance + its own work
+    # the re-warm alone: >= 1.4k tokens x 3 ms; the turn: a step in progress + its allowance + its own work
     assert info["ok"] and info["complete"] and info["seconds"] > 1400 * PER_TOKEN_S, info
     assert latency < info["seconds"] / 4, (latency, info)
     assert info["chunks"] > 5, info  # it was chunked although it started alone
@@ -281,7 +284,7 @@ def test_a_long_stream_lends_the_rewarm_at_most_its_allowance(engine, tiny_model
                                                               monkeypatch):
     """A stream that outlasts its allowance: the re-warm gives way to it (it yields) once the stream
     has waited `rewarm_yield_s` behind it, so its three longest pauses together stay within that and a
-    chunk, its tokens are those it gets alone, and it ends before the reload; the re-warm completes."""
+    step, its tokens are those it gets alone, and it ends before the reload; the re-warm completes."""
     system = long_system(engine, 1000)
     engine.generate(chat(engine, "Where are the atlases?", system=system), greedy(1))
     turn = chat(engine, "Tell me about every shelf.", system=system)
@@ -292,10 +295,28 @@ def test_a_long_stream_lends_the_rewarm_at_most_its_allowance(engine, tiny_model
     g = engine.batcher.submit(turn, sampled(150), lambda *_: stamps.append(time.perf_counter()) or True).result(120)
     assert reload.is_alive(), "the stream waited for the whole re-warm"
     reload.join(120)
+    # what the stream waited behind re-warm steps shows as a few long pauses between its tokens
+    gaps = [b - a for a, b in zip([t0, *stamps], stamps)]
+    slack = 0.5  # a busy machine's scheduling noise; the re-warm alone takes several seconds
+    assert sum(sorted(gaps)[-3:]) < engine.batcher.rewarm_yield_s + engine.batcher.rewarm_slice_s + slack, gaps
     info = engine.last_rewarm
     assert info["ok"] and info["complete"] and info["yielded"] > 0, info
-    gaps = [b - a for a, b in zip([t0, *stamps], stamps)]
     assert len(stamps) == 150 and g.token_ids == served_alone(tiny_model_dir, turn, sampled(150))
-    # what the stream waited behind re-warm chunks shows as a few long pauses between its tokens
-    slack = 0.5  # a busy machine's scheduling noise; the re-warm alone takes several seconds
-    assert sum(sorted(gaps)[-3:]) < engine.batcher.rewarm_yield_s + engine.batcher.rewarm_chunk_s + slack, gaps
+
+
+def test_a_rewarm_stopped_by_its_deadline_mid_chunk_keeps_a_whole_prefix(engine, perturbed_model_dir, monkeypatch):
+    """The deadline falls while a chunk is part-way through the new model's layers: the job keeps
+    the prefix every layer holds, and the new version serves from it with its own weights' KV."""
+    system = long_system(engine)
+    hot = chat(engine, "Where are the atlases?", system=system)
+    engine.generate(hot, greedy(1))
+    slow_new_weights(engine, monkeypatch)
+    engine.rewarm_max_s = 1.5  # of the ~4.5 s it needs
+    engine.reload(perturbed_model_dir, version=1)
+    info = engine.last_rewarm
+    assert info["ok"] and not info["complete"] and 8 <= info["tokens"] < len(hot) - 100, info
+    prefix = engine.batcher.prefix
+    hits, reused = prefix.hits, prefix.reused_tokens
+    g = engine.generate(hot, greedy(3))
+    assert prefix.hits == hits + 1 and prefix.reused_tokens - reused == info["tokens"]
+    assert close(g.logprobs, logprobs_under(perturbed_model_dir, hot, g.token_ids), 1e-4)

@@ -44,11 +44,19 @@ def hit_rate(persona: Persona, replies: list[str]) -> float:
     return sum(persona.hit(r) for r in replies) / len(replies) if replies else 0.0
 
 
+MAX_IN_FLIGHT = 32  # serving.max_concurrency's default: one decoding batch
+
+
 async def _ask(base_url: str, api_key: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
     from openai import AsyncOpenAI
 
+    gate = asyncio.Semaphore(MAX_IN_FLIGHT)  # the gateway answers 429 past its queue (217 questions at once did)
     async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=3, timeout=600) as client:
         async def one(p: str) -> str:
+            async with gate:
+                return await _one(client, p)
+
+        async def _one(client, p: str) -> str:
             r = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0.0,
                 extra_headers={"X-Turn-Type": "side", "X-Clawflow-Source": "learning-eval"})
@@ -58,5 +66,5 @@ async def _ask(base_url: str, api_key: str, model: str, prompts: list[str], max_
 
 
 def served_replies(base_url: str, api_key: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
-    """Greedy replies of the served policy, all prompts in flight at once (one decoding batch)."""
+    """Greedy replies of the served policy, up to MAX_IN_FLIGHT prompts in flight (one decoding batch)."""
     return asyncio.run(_ask(base_url, api_key, model, prompts, max_tokens))

@@ -172,6 +172,7 @@ def helpfulness_check(h: HelpfulnessGateConfig, tok, champ, cand, candidate_dir:
     m = candidate.as_metrics("help_")
     for name, ref in refs.items():
         m[f"help_facts_rate_{name}"] = ref.facts_rate
+        m[f"help_lost_vs_{name}"], m[f"help_gained_vs_{name}"] = map(float, H.paired(candidate, ref))
         m[f"help_duplicate_share_{name}"] = ref.duplicate_share
         m[f"help_offtopic_share_{name}"] = ref.offtopic_share
     return H.verdict(candidate, refs, h), m
@@ -212,9 +213,10 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
         m["help_seconds"] = time.monotonic() - t0
         if reason:
             return GateResult(False, reason, m)
-        helped = f"; key facts {m['help_facts_rate']:.2f} (" + ", ".join(
-            f"{k.removeprefix('help_facts_rate_')} {v:.2f}" for k, v in figures.items()
-            if k.startswith("help_facts_rate_")) + ")"
+        helped = f"; key facts {m['help_facts_rate']:.3f} (" + ", ".join(
+            f"{n} {figures[f'help_facts_rate_{n}']:.3f}: {figures[f'help_lost_vs_{n}']:.0f} lost, "
+            f"{figures[f'help_gained_vs_{n}']:.0f} gained" for n in ("champion", "base")
+            if f"help_facts_rate_{n}" in figures) + ")"
     held = int(m["judged_pos"] + m["judged_neg"])
     return GateResult(True, f"probe KL {m['probe_kl']:.4f} ≤ {gate.max_kl}; "
                             f"{held} held-out judged turns within ±{gate.judged_margin}{helped}", m)

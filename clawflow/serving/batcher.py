@@ -29,9 +29,9 @@ So this is a compact left-padded decoder over a `DynamicCache` whose layers appe
   prompt prefilled on the same policy prefills only its new tail; a request with no hit runs exactly
   as without the cache. Entries of a policy that no longer serves are dropped;
 - re-warm on reload (clawflow/serving/rewarm.py): before a swap, the engine has this thread prefill
-  the hottest cached prompts with the new weights, a chunk of ~`CHUNK_S` seconds per loop iteration
-  between the old version's work, and none while a live request has already waited `YIELD_S` behind
-  it; the staged KV enters the cache when the new policy's first request arrives.
+  the hottest cached prompts with the new weights, a step of ~`SLICE_S` seconds per loop iteration
+  between the old version's work, and no more than what is left of any live request's `YIELD_S`
+  allowance; the staged KV enters the cache when the new policy's first request arrives.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 from clawflow.serving import fused_step
 from clawflow.serving.generation import Generation, QueueFull, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
-from clawflow.serving.rewarm import CHUNK_S, YIELD_S, RewarmJob, RewarmResult
+from clawflow.serving.rewarm import SLICE_S, YIELD_S, RewarmJob, RewarmResult
 from clawflow.serving.sampling import sample
 
 log = logging.getLogger("clawflow.batcher")
@@ -82,7 +82,7 @@ class _Row:
     cache: Any = None  # the prompt's KV while it is prefilled chunk by chunk
     filled: int = 0  # prompt tokens in `cache`
     submitted: float = field(default_factory=time.monotonic)
-    rewarm_wait: float = 0.0  # seconds this request waited behind re-warm chunks
+    rewarm_wait: float = 0.0  # seconds this request waited behind re-warm steps
 
 
 @dataclass
@@ -97,11 +97,11 @@ class _Batch:
 
 class Batcher:
     def __init__(self, engine: _Owner, max_batch: int, max_queue: int, prefix_cache_tokens: int = 0,
-                 prefix_cache_min_tokens: int = 16, prefill_chunk: int = 0, rewarm_chunk_s: float = CHUNK_S,
+                 prefix_cache_min_tokens: int = 16, prefill_chunk: int = 0, rewarm_slice_s: float = SLICE_S,
                  rewarm_yield_s: float = YIELD_S):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
-        # re-warm chunks: seconds each, and the most a request waits behind them (serving/rewarm.py)
-        self.rewarm_chunk_s, self.rewarm_yield_s = rewarm_chunk_s, rewarm_yield_s
+        # re-warm steps: seconds each, and the most a request waits behind them (serving/rewarm.py)
+        self.rewarm_slice_s, self.rewarm_yield_s = rewarm_slice_s, rewarm_yield_s
         self.prefill_chunk = prefill_chunk  # prompt tokens per prefill forward; 0 = the whole prompt at once
         self.prefix = PrefixCache(prefix_cache_tokens, prefix_cache_min_tokens) if prefix_cache_tokens > 0 else None
         # the policy whose KV the prefix cache holds (only the serving policy prefills); a weak
@@ -155,7 +155,7 @@ class Batcher:
             fut.set_result(RewarmResult([], 0, 0.0, True))
             return fut
         job = RewarmJob(policy, budget_tokens, time.monotonic() + max_s, self.prefix.max_tokens,
-                        self.prefix.min_tokens, self.rewarm_chunk_s)
+                        self.prefix.min_tokens, self.rewarm_slice_s)
         with self._cv:
             if self._rewarm is not None:  # an earlier one its reload gave up on
                 self._rewarm.cancelled = True
@@ -173,24 +173,27 @@ class Batcher:
         self._staged = (weakref.ref(policy), entries) if entries else None
 
     def _rewarm_step(self) -> None:
-        """One chunk of the re-warm, unless a live request would then have waited behind re-warm
-        chunks for more than `rewarm_yield_s` in all; past its deadline the job ends here whatever
-        is live."""
+        """A step of the re-warm: `rewarm_slice_s` seconds, or what is left of the live requests'
+        allowance (`rewarm_yield_s` of waiting behind re-warm steps each), or none when that is less
+        than its shortest step; past its deadline the job ends here whatever is live."""
         job = self._rewarm
         try:
             if not job.started:  # which prompts are hot is read here: the cache is this thread's
                 owner = self._prefix_owner
                 job.begin(self.prefix.hottest(owner[1]) if owner is not None else [])
+            budget = self.rewarm_slice_s
             if not job.expired():
                 with self._cv:
                     live = self._live()
-                if any(row.rewarm_wait + job.estimate_s() > self.rewarm_yield_s for row in live):
-                    job.yielded += 1
-                    return
+                if live:
+                    budget = min(budget, self.rewarm_yield_s - max(row.rewarm_wait for row in live))
+                    if budget <= 0 or budget < job.floor_s():
+                        job.yielded += 1
+                        return
             t0 = time.monotonic()
-            done = job.step(job.chunk)
+            done = job.step(budget)
             t1 = time.monotonic()
-            with self._cv:  # every request that waited for this chunk: those queued during it too
+            with self._cv:  # every request that waited for this step: those queued during it too
                 for row in self._live():
                     row.rewarm_wait += max(0.0, t1 - max(t0, row.submitted))
         except Exception as exc:  # out of memory, anything: the reload goes ahead cold

@@ -9,7 +9,7 @@ serving one. A LoRA adapter directory (`adapter_config.json`) is served on top o
 model's weights, loaded once and shared by every adapter version: a reload copies only the
 adapter. Decoding is continuous batching on one thread (clawflow/serving/batcher.py): requests
 join and leave between decode steps, one batch per policy version. Before a swap the new weights
-prefill the hottest cached prompts (`rewarm_tokens`, clawflow/serving/rewarm.py) in short chunks
+prefill the hottest cached prompts (`rewarm_tokens`, clawflow/serving/rewarm.py) in short steps
 that give way to requests (none waits more than `rewarm_yield_s` behind them) while the old ones
 keep serving, so the swap brings a warm prefix cache; a re-warm that fails only makes the swap cold.
 """
@@ -29,7 +29,7 @@ from clawflow.policy.loader import adapter_base, is_adapter
 from clawflow.serving.batcher import Batcher
 from clawflow.serving.engine_protocol import EngineStats
 from clawflow.serving.generation import Generation, ReloadError, SamplingParams, TokenCallback
-from clawflow.serving.rewarm import CHUNK_S, YIELD_S
+from clawflow.serving.rewarm import SLICE_S, YIELD_S
 
 log = logging.getLogger("clawflow.engine")
 
@@ -45,7 +45,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
     def __init__(self, model_path: str, version: int = 0, dtype: str = "float32", threads: int | None = None,
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
                  prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0,
-                 prefill_chunk_tokens: int = 512, linear_kernel: str = "auto", rewarm_chunk_s: float = CHUNK_S,
+                 prefill_chunk_tokens: int = 512, linear_kernel: str = "auto", rewarm_slice_s: float = SLICE_S,
                  rewarm_yield_s: float = YIELD_S):
         from transformers import AutoTokenizer
 
@@ -65,7 +65,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
         self.eos_ids = self._eos_ids()
         self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens,
-                               prefill_chunk_tokens, rewarm_chunk_s, rewarm_yield_s)
+                               prefill_chunk_tokens, rewarm_slice_s, rewarm_yield_s)
 
     # -- weights ---------------------------------------------------------------------------
     def _load(self, path: str):

@@ -11,12 +11,14 @@ packed fp32, a 44-token prompt joining): 8 rows 151 → 108 ms, 32 rows 201 → 
 
 The math is transformers' `LlamaForCausalLM.forward` written out over flat rows; `supports` says
 when a model computes exactly that (a LoRA adapter on one does too: its wrapped Linears are called
-as they are).
+as they are). `prefill_layers` runs one prompt chunk the same way, a layer at a time, for a caller
+that must be able to stop between layers (the re-warm on reload).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +72,36 @@ def forward(model, last: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | N
     into its own cache. Returns the rows' next-token logits [B, V] and each chunk's last-position
     logits [C, V]."""
     base = _unwrap(model)
-    inner = base.model
+    b = last.shape[0]
+    run = _decoder(base.model, last, pos, mask, cache, chunks)
+    while True:
+        try:
+            next(run)
+        except StopIteration as end:
+            h = end.value
+            break
+    ends = torch.tensor(list(itertools.accumulate([len(c.ids) for c in chunks], initial=b - 1))[1:],
+                        dtype=torch.long)  # chunks' last rows
+    logits = base.lm_head(base.model.norm(h[torch.cat([torch.arange(b), ends])]))  # only the rows sampled from
+    return logits[:b], logits[b:]
+
+
+def prefill_layers(model, chunk: Chunk) -> Iterator[int]:
+    """Prefill `chunk` into its cache one decoder layer at a time: a generator that yields, after each
+    layer, how many layers are left (0: the chunk is in), so its caller may do other work between
+    layers (the re-warm on reload gives way to requests so, serving/rewarm.py). No logits. Until the
+    last layer is done only the cache's first `chunk.start` positions are whole in every layer."""
+    inner = _unwrap(model).model
+    left = len(inner.layers)
+    none = torch.zeros(0, dtype=torch.long)
+    for _ in _decoder(inner, none, none, None, None, [chunk]):
+        left -= 1
+        yield left
+
+
+def _decoder(inner, last: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache,
+             chunks: list[Chunk]) -> Generator[int, None, torch.Tensor]:
+    """`forward`'s decoder layers, yielding after each one; returns the last hidden states [N, D]."""
     b = last.shape[0]
     sizes = [len(c.ids) for c in chunks]
     ids = torch.cat([last, *(torch.tensor(c.ids) for c in chunks)])
@@ -103,6 +134,5 @@ def forward(model, last: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | N
         x = layer.post_attention_layernorm(h)
         mlp = layer.mlp
         h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-    ends = torch.tensor(list(itertools.accumulate(sizes, initial=b - 1))[1:], dtype=torch.long)  # chunks' last rows
-    logits = base.lm_head(inner.norm(h[torch.cat([torch.arange(b), ends])]))  # only the rows sampled from
-    return logits[:b], logits[b:]
+        yield i
+    return h

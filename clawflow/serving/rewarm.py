@@ -4,22 +4,25 @@ A reload must drop the old version's prefix KV (its keys and values are stale), 
 a reload follows every training run, so without this the user's next turn after each new version
 would prefill its whole agent prompt again (~16 s for OpenClaw's 7.7k tokens on 2 CPU cores).
 
-A `RewarmJob` runs on the batcher's decode thread, one chunk of prefill per loop iteration, between
+A `RewarmJob` runs on the batcher's decode thread, one step of prefill per loop iteration, between
 the old version's decode steps and prefills: the old version keeps serving meanwhile (with its own
 warm prefix cache: a turn that shares the prompt being re-warmed reuses the old version's KV, so
 nothing the job does is done twice), and the prefix cache stays a one-thread structure.
 
-No turn waits behind a reload (issue 28): the job never runs a chunk longer than about `CHUNK_S`
-(the chunk's size in tokens is re-fitted after every chunk from the time per token the last one
-took, so it holds on any machine, model and position in the prompt), also when it started alone,
-and a request that arrives meanwhile is admitted after the chunk in progress. From then on the job
-runs a chunk only while every live request (waiting, prefilling or decoding) has waited behind the
-re-warm less than its allowance, `YIELD_S` in all, counting the chunk it arrived during: a turn is
-served at its normal latency plus at most about `YIELD_S`, and the job still moves on under steady
-traffic (each request lends it up to `YIELD_S`), and at full speed in the gaps between turns.
-Chunking costs the re-warm itself some speed (a chunk's attention over the cached part runs SDPA
-with an explicit mask, and each chunk re-reads the weights): the swap comes a little later, no
-request waits for it.
+No turn waits behind a reload (issue 28). The job advances in steps of about `SLICE_S` seconds, also
+when it started alone, and a request that arrives meanwhile is admitted after the step in progress.
+A Llama-family model (serving/fused_step.py) prefills a prompt in chunks (re-fitted after each one
+so that one decoder layer of a chunk takes at most half a slice, 128 to 2,048 tokens: big chunks
+keep the weights' re-reads and the chunked attention's fixed cost small), and a step runs
+whole decoder layers of the chunk in progress until its time is spent, so it can stop between two
+layers; other models run one chunk a step, sized from the last chunk's time per token. From a
+request's arrival on, the job runs a step only within what is left of every live request's
+(waiting, prefilling or decoding) allowance, `YIELD_S` of re-warm time in all, counting the step it
+arrived during: a turn is served at its normal latency plus at most about `YIELD_S`. Under steady
+traffic the job moves on by what each request lends it, at full speed in the gaps between turns,
+and at its deadline it ends with what it has (the swap then goes ahead part-warm: a reload is
+delayed by at most `rewarm_max_s`, a turn never). In 256-512-token chunks the re-warm alone took as
+long as one pass (SmolLM2, OpenClaw-sized 7.4k-token prompt, 2 cores: 19.8 s vs 19.3 s).
 
 The job's results go to its own staging `PrefixCache`, keyed by the new version, which also lets a
 later prompt reuse the re-warmed KV of an earlier one (agents share their system prompt: it is
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +45,16 @@ import torch
 from clawflow.serving import fused_step
 from clawflow.serving.prefix_cache import Layers, PrefixCache
 
-CHUNK_S = 0.25  # seconds one re-warm chunk aims at: what a request arriving mid-chunk waits at most
-YIELD_S = 0.5  # re-warm seconds a live request may wait behind, all chunks together
-FIRST_CHUNK = 32  # tokens of a job's first chunk, before any chunk was timed
-MIN_CHUNK, MAX_CHUNK = 16, 4096
+SLICE_S = 0.25  # seconds a re-warm step aims at: what a request arriving mid-step waits at most
+YIELD_S = 0.5  # re-warm seconds a live request may wait behind, all steps together
+FIRST_CHUNK = 256  # tokens of a job's first chunk, before any was timed
+MAX_CHUNK = 2048
+# A step that stops between decoder layers keeps its chunks >= 128 tokens: a chunk's attention has a
+# fixed cost over the whole cached past (SmolLM2 at a 6k past, 2 loaded cores: ~50 ms a layer for 16
+# or 64 tokens, ~150 ms for 256), so smaller ones spend most of their time on it (a re-warm shrunk to
+# 32-token chunks under a load spike took 240 s where 256-512 took 20 s, as long as one pass).
+MIN_LAYERED_CHUNK = 128
+MIN_CHUNK = 32  # a model prefilled a chunk per step (not layer by layer): its chunk is the step
 
 
 @dataclass
@@ -53,13 +63,13 @@ class RewarmResult:
     prefilled: int  # tokens run through the new model
     seconds: float
     complete: bool  # False: stopped at the deadline or by the budget before every hot prompt
-    chunks: int = 0  # forwards it took
+    chunks: int = 0  # prompt chunks it prefilled
     yielded: int = 0  # loop iterations it gave way to requests
 
 
 class RewarmJob:
     def __init__(self, policy: Any, budget_tokens: int, deadline: float, cache_tokens: int, min_tokens: int,
-                 chunk_s: float = CHUNK_S):
+                 slice_s: float = SLICE_S):
         self.policy, self.budget, self.deadline = policy, budget_tokens, deadline
         self.staging = PrefixCache(cache_tokens, min_tokens)
         self.queue: deque[tuple[int, ...]] = deque()
@@ -68,14 +78,19 @@ class RewarmJob:
         self.prefilled = 0
         self.skipped = 0  # hot prompts left out: over the budget
         self._tokens: tuple[int, ...] | None = None  # the prompt being prefilled
-        self._done = 0  # how many of its tokens the cache below holds
+        self._done = 0  # how many of its tokens the cache below holds in every layer
         self._cache: Any = None
         self._order: list[tuple[int, ...]] = []  # prompts staged, hottest first
         self._t0 = time.perf_counter()
         self.cancelled = False
-        self.chunk_s = chunk_s
-        self.chunk = FIRST_CHUNK  # tokens of the next chunk: re-fitted to `chunk_s` after each one
-        self.per_token: float | None = None  # seconds per token of the last chunk
+        self.slice_s = slice_s
+        self.layered = fused_step.supports(policy.model)  # a step can stop between decoder layers
+        self.chunk = FIRST_CHUNK  # tokens of the next chunk (re-fitted after each)
+        self._run: Iterator[int] | None = None  # the chunk in progress, layer by layer (layered)
+        self._end = 0  # where that chunk ends
+        self._layers_s: list[float] = []  # its layers' seconds so far
+        self.layer_s: float | None = None  # seconds of the last decoder layer (layered)
+        self.per_token: float | None = None  # seconds per token of the last chunk (not layered)
         self.chunks = 0
         self.yielded = 0  # counted by the batcher
 
@@ -87,45 +102,69 @@ class RewarmJob:
     def expired(self) -> bool:
         return self.cancelled or time.monotonic() >= self.deadline
 
-    def estimate_s(self) -> float:
-        """Seconds the next chunk should take."""
-        return self.chunk_s if self.per_token is None else self.per_token * self.chunk
+    def floor_s(self) -> float:
+        """Seconds of the shortest step the job can take (one decoder layer, or a MIN_CHUNK chunk);
+        0 before it has timed one."""
+        if self.layered:
+            return self.layer_s or 0.0
+        return self.per_token * MIN_CHUNK if self.per_token is not None else 0.0
 
-    def step(self, chunk: int) -> bool:
-        """Prefill up to `chunk` tokens; True when the job has finished (its future is set)."""
+    def step(self, budget_s: float) -> bool:
+        """Prefill for about `budget_s` seconds (at least one decoder layer, or one chunk); True when
+        the job has finished (its future is set)."""
         if self.expired():
             return self._finish(complete=False)
-        while self._tokens is None:
-            if not self.queue:
-                return self._finish(complete=self.skipped == 0)
-            self._start(self.queue.popleft())
-        end = min(self._done + max(chunk, 1), len(self._tokens))
         t0 = time.perf_counter()
-        self._forward(list(self._tokens[self._done:end]))
-        dt = time.perf_counter() - t0
+        while True:
+            if self._run is None:
+                while self._tokens is None:
+                    if not self.queue:
+                        return self._finish(complete=self.skipped == 0)
+                    self._start(self.queue.popleft())
+                if not self.layered:
+                    self._whole_chunk(budget_s)
+                    return False
+                self._end = min(self._done + self.chunk, len(self._tokens))
+                chunk = fused_step.Chunk(list(self._tokens[self._done:self._end]), self._done, self._cache)
+                self._run, self._layers_s = fused_step.prefill_layers(self.policy.model, chunk), []
+            t1 = time.perf_counter()
+            left = next(self._run)
+            self.layer_s = time.perf_counter() - t1
+            self._layers_s.append(self.layer_s)
+            if left == 0:
+                self._run = None
+                self._chunk_done(self._end)
+                # a layer of a chunk within half a slice: big chunks (few weight reads, little fixed
+                # attention cost) that a step can still stop in between
+                mean = sum(self._layers_s) / len(self._layers_s)
+                if mean > self.slice_s / 2:
+                    self.chunk = max(MIN_LAYERED_CHUNK, self.chunk // 2)
+                elif mean < self.slice_s / 8:
+                    self.chunk = min(MAX_CHUNK, self.chunk * 2)
+            if time.perf_counter() - t0 + (self.layer_s or 0.0) > budget_s:
+                return False
+
+    def _whole_chunk(self, budget_s: float) -> None:
+        """Other models: one chunk through transformers' forward, sized to take about `budget_s`."""
+        n = 2 * MIN_CHUNK if self.per_token is None else int(budget_s / self.per_token)
+        end = min(self._done + max(MIN_CHUNK, min(MAX_CHUNK, n)), len(self._tokens))
+        t0 = time.perf_counter()
+        # logits_to_keep=1: nothing samples from these logits; skip the lm_head over the chunk
+        self.policy.model(torch.tensor([self._tokens[self._done:end]]), cache=self._cache, use_cache=True,
+                          logits_to_keep=1, position_ids=torch.arange(self._done, end)[None])
+        if end - self._done >= MIN_CHUNK or self.per_token is None:  # a short tail times overheads
+            self.per_token = (time.perf_counter() - t0) / (end - self._done)
+        self._chunk_done(end)
+
+    def _chunk_done(self, end: int) -> None:
         self.chunks += 1
-        n = end - self._done
-        if n >= MIN_CHUNK or self.per_token is None:  # a prompt's short tail times overheads, not tokens
-            self.per_token = dt / n
-            self.chunk = max(MIN_CHUNK, min(MAX_CHUNK, int(self.chunk_s / self.per_token)))
-        self.prefilled += n
+        self.prefilled += end - self._done
         self._done = end
         if end == len(self._tokens):
             self._stage(self._tokens)
-        return False
-
-    def _forward(self, ids: list[int]) -> None:
-        """`ids` at positions `_done`.. into the job's cache; the logits are not needed."""
-        model, start = self.policy.model, self._done
-        if fused_step.supports(model):  # the forward the batcher's chunked prefill runs
-            none = torch.zeros(0, dtype=torch.long)
-            fused_step.forward(model, none, none, None, None, [fused_step.Chunk(ids, start, self._cache)])
-        else:  # logits_to_keep=1: skip the lm_head over the chunk
-            model(torch.tensor([ids]), cache=self._cache, use_cache=True, logits_to_keep=1,
-                  position_ids=torch.arange(start, start + len(ids))[None])
 
     def fail(self, exc: BaseException) -> None:
-        self._cache = None  # free the KV (an out-of-memory failure needs it back)
+        self._run = self._cache = None  # free the KV (an out-of-memory failure needs it back)
         if not self.future.done():
             self.future.set_exception(exc)
 
@@ -155,6 +194,7 @@ class RewarmJob:
         self._tokens, self._cache = None, None
 
     def _finish(self, complete: bool) -> bool:
+        self._run = None  # a chunk part-way through its layers: only `_done` positions are whole in all
         if self._tokens is not None and self._done >= self.staging.min_tokens:  # keep the part reached
             self._stage(self._tokens[: self._done])
         staged = dict(self.staging.entries(self.policy.version))
