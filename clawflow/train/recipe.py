@@ -47,7 +47,7 @@ from clawflow.policy.packed_linear import pack_if_faster, unpack_linears
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
 from clawflow.train import attention, optim, precision
-from clawflow.train.flops import matmul_peak_flops, param_counts, peak_memory_mb, train_flops
+from clawflow.train.flops import causal_context, matmul_peak_flops, param_counts, peak_memory_mb, train_flops
 from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy
 from clawflow.train.objective import STAT_KEYS, Objective
@@ -321,7 +321,7 @@ class Recipe:
                 n_real = int(b["attention_mask"].sum())
                 tokens += n_real
                 flops += train_flops(self.counts_params, n_layers, hidden, self.model.config.vocab_size, n_real,
-                                     n_real / len(b["items"]), int(b["mask"].numel()), cfg.lora is None)
+                                     causal_context(b["attention_mask"].sum(1).tolist()), int(b["mask"].numel()), cfg.lora is None)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             lr = self.scheduler.get_last_lr()[0]
