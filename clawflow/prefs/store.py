@@ -91,7 +91,7 @@ def _similarity():
             from clawflow.judge.minilm import MiniLM
 
             cache["m"] = MiniLM(threads=1)
-        e = cache["m"].embed([a, b])
-        return float((e[0] * e[1]).sum() / ((e[0] ** 2).sum() ** 0.5 * (e[1] ** 2).sum() ** 0.5))
+        e = cache["m"].embed([a, b])  # unit vectors (MiniLM normalizes), as helpfulness.relevance uses them
+        return float((e[0] * e[1]).sum())
 
     return cosine
