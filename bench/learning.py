@@ -28,8 +28,8 @@ One row per version (v0 = the base model) is printed and logged to MLflow (exper
     .venv/bin/python bench/learning.py --personas-file configs/envs/personas_final.yaml   # the final set
     .venv/bin/python bench/learning.py --personas terse --rounds 8 --set train.lr=3e-5     # a variant
 
-Torch threads 1 per process (gateway, trainer, evaluation): on a shared 2-core box, 2 threads spin
-against the other processes.
+Torch threads as the config ships them (torch's default: every core) unless `--threads N` pins each
+process (gateway, trainer, evaluation) to N, e.g. 1 when the box is shared with other work.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the teacher's ceiling: best of 1 + N hinted base replies (bench/teacher.py); 0: skip")
     ap.add_argument("--questions", type=int, default=None, help="held-out general questions (default: all)")
     ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature while collecting")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per process (default: the config's, i.e. every core, as users run it)")
     ap.add_argument("--judge", choices=["embedded", "rules"], default="embedded")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override one config value (YAML value), e.g. train.lr=3e-5; repeatable")
@@ -123,8 +124,10 @@ def write_config(a: argparse.Namespace, home: Path, persona: str) -> Config:
     outcome reward) and the `--set` overrides, written under `home` and loaded."""
     raw = yaml.safe_load(Path(a.config).read_text())
     raw["home"] = str(home)
-    raw.setdefault("serving", {}).update(port=_free_port(), threads=a.threads)
-    raw.setdefault("train", {}).update(threads=a.threads)
+    raw.setdefault("serving", {}).update(port=_free_port())
+    if a.threads:
+        raw["serving"]["threads"] = a.threads
+        raw.setdefault("train", {}).update(threads=a.threads)
     raw.setdefault("judge", {}).update(backend=a.judge, env_reward="ignore")
     if a.judge == "embedded":  # its head, fitted once for this run when the shipped one is stale
         head = judge_head(Path(a.model_cache))
@@ -290,7 +293,9 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
             steps += int(done["steps"])
             say(f"  round {k + 1}: v{out['version']} from {out['samples']} samples, {done['steps']} steps, "
                 f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate'][:160]}, promoted={out['promoted']}; "
-                f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s"
+                f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s "
+                f"({', '.join(f'{p} {s:.0f} s' for p, s in out.get('seconds', {}).items())}; "
+                f"rewrites {out.get('rewrite_seconds') or 0:.0f} s of train)"
                 + (f", collect hit-rate {sum(hits) / len(hits):.2f}" if hits else ""))
             candidates.append(_candidate(cfg, out))
             say(f"  v{out['version']} at the gate: " + json.dumps(candidates[-1]))
@@ -400,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    torch.set_num_threads(a.threads)  # the flow's gate runs in this process
+    if a.threads:
+        torch.set_num_threads(a.threads)  # the flow's gate runs in this process
     load0 = os.getloadavg()[0]
     print(f"learning bench: personas {','.join(names)}; config {a.config} {' '.join(a.set)}; "
           f"{a.episodes} conversations/round, one reply per prompt, judge {a.judge}; "

@@ -240,5 +240,9 @@ from clawflow import cli_connect  # noqa: E402 - registers connect openclaw
 
 cli_connect.register(app, _cfg, ConfigOpt)
 
+from clawflow import cli_users  # noqa: E402 - registers users add, list, remove
+
+cli_users.register(app, _cfg, ConfigOpt)
+
 if __name__ == "__main__":
     app()

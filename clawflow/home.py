@@ -50,6 +50,9 @@ class Home:
     TOMBSTONES: ClassVar[str] = "forgotten.jsonl"
     REGISTRY_LOCK: ClassVar[str] = ".registry.lock"
     PREFECT_RENDERED: ClassVar[str] = "prefect.rendered.yaml"  # prefect.yaml with the config's trigger
+    USERS: ClassVar[str] = "users"  # users/users.json: `clawflow users add`'s users (key hashes only)
+    USERS_FILE: ClassVar[str] = "users.json"
+    USERS_LOCK: ClassVar[str] = "users.lock"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -159,3 +162,11 @@ class Home:
     @property
     def prefect_rendered(self) -> Path:
         return self.root / self.PREFECT_RENDERED
+
+    @property
+    def users_file(self) -> Path:
+        return self.root / self.USERS / self.USERS_FILE
+
+    @property
+    def users_lock(self) -> Path:
+        return self.root / self.USERS / self.USERS_LOCK

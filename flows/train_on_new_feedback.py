@@ -8,6 +8,8 @@ Progress is the `training-progress` artifact (percent per phase); the summary is
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
@@ -32,27 +34,45 @@ class Progress:
         update_progress_artifact(self.id, percent, description=phase)
 
 
+class Clock:
+    """Seconds per phase of one run, so a user (and `bench/learning.py`) sees where a round's time goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.monotonic() - t0, 1)
+
+
 @flow(name="train-on-new-feedback", log_prints=True)
 def train_on_new_feedback(config_path: str | None = None, max_turns: int | None = None,
                           reload: bool = True) -> dict:
     """Train the served policy on the feedback its conversations received since the last run."""
     cfg = load_config(config_path)
     log = get_run_logger()
-    progress = Progress()
-    pairs = collect_batch(cfg, max_turns or cfg.train.max_turns)
+    progress, clock = Progress(), Clock()
+    with clock("collect"):
+        pairs = collect_batch(cfg, max_turns or cfg.train.max_turns)
     if not pairs:
         return _report({"trained": False, "reason": "no new turns with a next state"}, progress)
 
     progress(10, f"judging {len(pairs)} turns")
-    judgments = judge_turns(cfg, pairs)
+    with clock("judge"):
+        judgments = judge_turns(cfg, pairs)
     if not judgments:  # judge unavailable: the turns go back to the queue for the next run
         release_unjudged(cfg)
         return _report({"trained": False, "reason": "judge unavailable; turns stay unjudged", "turns": len(pairs)},
                        progress)
     trainable, held_out = split_holdout(judgments, cfg.gate.holdout_fraction)  # held out: the gate's probes
     samples = training_samples(pairs, trainable)
-    preferences = update_preferences(cfg, pairs, judgments)  # the user's standing preferences, this batch folded in
-    parent, start, champion = current_policy(cfg, preferences)
+    with clock("preferences"):
+        preferences = update_preferences(cfg, pairs, judgments)  # the user's standing preferences, this batch folded in
+        parent, start, champion = current_policy(cfg, preferences)
     turn_ids = [j.turn_id for j in judgments]  # only judged turns are consumed (held-out ones too)
     if not samples and not preferences:
         # Judged but neutral: nothing to learn; consume them so they are not judged again.
@@ -62,7 +82,8 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
 
     progress(25, f"training on {len(samples)} samples and {len(preferences)} standing preferences from v{parent}")
     run_id = start_run(cfg, str(runtime.flow_run.id), parent, pairs, judgments)
-    checkpoint, metrics = train_policy(cfg, run_id, start, samples, parent, preferences)
+    with clock("train"):
+        checkpoint, metrics = train_policy(cfg, run_id, start, samples, parent, preferences)
     if checkpoint is None:  # the recipe found no usable advantage or hint: consume, nothing to register
         _consume(cfg, turn_ids, f"untrainable-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
         return _report({"trained": False, "reason": metrics["reason"], "turns": len(pairs),
@@ -70,12 +91,14 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     taught = record_preferences(cfg, run_id, checkpoint, preferences)["taught"]
     trained_ids = [s.turn_id for s in samples]
     progress(65, f"eval gate: the candidate at doses {', '.join(f'{d:g}' for d in cfg.gate.doses)} vs v{parent}")
-    gate = gate_doses(cfg, run_id, str(checkpoint), champion, held_out_probes(cfg, trained_ids), taught)
+    with clock("gate"):
+        gate = gate_doses(cfg, run_id, str(checkpoint), champion, held_out_probes(cfg, trained_ids), taught)
     progress(85, "registering the checkpoint")
     rewards = [s.reward for s in samples] or [0.0]
-    version = register(cfg, run_id, Path(gate.checkpoint), parent, len(samples), sum(rewards) / len(rewards),
-                       trained_ids)
-    tag_gate(cfg, version, gate)
+    with clock("register"):
+        version = register(cfg, run_id, Path(gate.checkpoint), parent, len(samples), sum(rewards) / len(rewards),
+                           trained_ids)
+        tag_gate(cfg, version, gate)
     progress(90, "promoting" if gate.passed else "rejected: committing the batch")
     if gate.passed:
         promote(cfg, version)
@@ -83,14 +106,17 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     _consume(cfg, turn_ids, run_id, version, all_judged=len(judgments) == len(pairs))
     maintain_store(cfg)
     progress(95, f"reloading the gateway on v{version}" if gate.passed else "done")
-    reloaded = reload_gateway(cfg, version, gate.checkpoint) if reload and gate.passed else False
+    with clock("reload"):
+        reloaded = reload_gateway(cfg, version, gate.checkpoint) if reload and gate.passed else False
     log.info("v%d trained on %d samples and %d preferences from v%d: %s", version, len(samples), len(preferences),
              parent, gate.reason)
+    log.info("where the time went: %s", ", ".join(f"{k} {v:.0f} s" for k, v in clock.seconds.items()))
     last = metrics.get("per_step") or [{}]
     return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
                     "samples": len(samples), "preferences": len(preferences), "held_out": len(held_out),
                     "reward_mean": sum(rewards) / len(rewards), "promoted": gate.passed, "dose": gate.dose,
-                    "gate": gate.reason, "mlflow_run": run_id, "reloaded": reloaded, "loss": last[-1].get("loss")},
+                    "gate": gate.reason, "mlflow_run": run_id, "reloaded": reloaded, "loss": last[-1].get("loss"),
+                    "seconds": clock.seconds, "rewrite_seconds": metrics.get("rewrite_seconds")},
                    progress)
 
 

@@ -12,7 +12,7 @@ import httpx
 
 from _gateway_helpers import (FIXED, MODEL, assert_error_json, client_for, close, fixed_score, logprobs_under,
                               metrics, only_turn, user)
-from conftest import admin, policy_version
+from conftest import admin, policy_version, running_gateway
 
 
 # -- hot reload --------------------------------------------------------------------------------
@@ -138,11 +138,16 @@ def test_reload_swaps_weights_and_in_flight_request_keeps_its_version(gateway, t
     assert metrics(cfg)["clawflow_reloads_total"] == 1
 
 
-def test_reload_rewarms_while_concurrent_requests_all_succeed(gateway, perturbed_model_dir):
+def test_reload_rewarms_while_concurrent_requests_all_succeed(make_config, perturbed_model_dir):
     """Clients keep sending during the whole reload (load, re-warm, swap): every request succeeds, on
     the old or the new version; the reload re-warmed the hot system prompt, so the first request
     after it reuses the new version's KV."""
-    cfg, app = gateway
+    cfg = make_config(serving={"rewarm_min_tokens": 16})  # the tiny tokenizer's prompts are short
+    with running_gateway(cfg) as app:
+        _rewarm_while_serving(cfg, app, perturbed_model_dir)
+
+
+def _rewarm_while_serving(cfg, app, perturbed_model_dir):
     prefix = app.state.gateway.engine.batcher.prefix
     system = "You answer questions about the shop's opening hours, in one sentence, politely. " * 4
     client = client_for(cfg)

@@ -109,6 +109,20 @@ def test_shared_system_prompt_is_prefilled_once_and_the_budget_keeps_a_prefix(en
     assert close(g.logprobs, logprobs_under(perturbed_model_dir, a, g.token_ids), 1e-4)
 
 
+def test_prompts_shorter_than_rewarm_min_tokens_are_left_to_prefill_on_demand(engine, perturbed_model_dir):
+    short, long = chat(engine, "Atlases?"), chat(engine, "Do you sell maps of Mars, or globes? " * 6)
+    engine.generate(short, greedy(1))
+    engine.generate(long, greedy(1))
+    engine.rewarm_min_tokens = len(short) + 1
+    engine.reload(perturbed_model_dir, version=1)
+    info = engine.last_rewarm
+    assert info["ok"] and info["prompts"] == 1 and info["tokens"] == len(long), info
+    reused = engine.batcher.prefix.reused_tokens
+    g = engine.generate(short, greedy(1))  # at most the shared system prompt is reused; the rest prefills now
+    assert engine.batcher.prefix.reused_tokens - reused < len(short) - 1
+    assert close(g.logprobs, logprobs_under(perturbed_model_dir, short, g.token_ids), 1e-4)
+
+
 @pytest.mark.parametrize("error", [MemoryError, RuntimeError])
 def test_a_failing_rewarm_swaps_cold(engine, perturbed_model_dir, monkeypatch, caplog, error):
     p = chat(engine, "Atlases?")

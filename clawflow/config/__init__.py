@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from clawflow.config.base import REPO_ROOT, _Strict  # noqa: F401  (REPO_ROOT: re-exported)
 from clawflow.config.train import LoraSpec, TrainConfig  # noqa: F401  (LoraSpec: re-exported)
 from clawflow.home import Home
+from clawflow.users import HASH_PATTERN, NAME_PATTERN, check_name
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 
@@ -66,10 +67,17 @@ class ServingConfig(_Strict):
     # "default" is clawflow.contracts.turn.DEFAULT_USER, the owner of every turn recorded before users
     # existed (not imported: the config stays free of pyarrow)
     user: str = Field(
-        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        "default", pattern=NAME_PATTERN,
         description="The owner of `api_key`: every turn that key sends is recorded with this user "
                     "(the turn record's `user`), and sessions never join turns of two users. "
                     "1-64 characters of A-Z a-z 0-9 _ . -",
+    )
+    users: dict[str, str] = Field(
+        default_factory=dict,
+        description="More users, each with a key of their own: user name -> the SHA-256 (64 hex digits) of "
+                    "that user's key, e.g. from `printf %s \"$KEY\" | sha256sum`. For users kept in config; "
+                    "`clawflow users add` keeps them in $CLAWFLOW_HOME/users/users.json instead. "
+                    "The gateway records each key's turns under its user.",
     )
     admin_key: str = "clawflow-admin"  # Bearer key of the /admin routes; $CLAWFLOW_ADMIN_KEY overrides
     max_new_tokens: int = 256  # default when the request sets no max_tokens
@@ -78,6 +86,24 @@ class ServingConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get HTTP 413
     engine: Literal["torch", "sglang"] = "torch"  # sglang: an SGLang server at sglang_url (docs/scaling-out.md)
     sglang_url: str = "http://127.0.0.1:30010"  # the SGLang server's address (engine: sglang)
+
+    @field_validator("users")
+    @classmethod
+    def _users(cls, v: dict[str, str]) -> dict[str, str]:
+        v = {name: h.lower() for name, h in v.items()}
+        for name, h in v.items():
+            check_name(name)
+            if not re.fullmatch(HASH_PATTERN, h):
+                raise ValueError(f"user {name}: give the SHA-256 of the key (64 hex digits), never the key itself")
+        if len(set(v.values())) < len(v):  # one key, two owners: whose turns would they be?
+            raise ValueError("two users have the same key hash")
+        return v
+
+    @model_validator(mode="after")
+    def _default_user_not_twice(self) -> "ServingConfig":
+        if self.user in self.users:
+            raise ValueError(f"users: {self.user!r} is serving.user, the owner of serving.api_key")
+        return self
 
     @field_validator("public_url")
     @classmethod
@@ -99,6 +125,9 @@ class ServingConfig(_Strict):
     # prefill; 0 swaps cold. 8192 covers OpenClaw's ~7.7k-token agent prompt (~16 s on 2 CPU cores).
     rewarm_tokens: int = Field(8192, ge=0)
     rewarm_max_s: float = Field(60.0, gt=0)  # the most a reload waits for it; it keeps what it has
+    # a shorter prompt is not re-warmed: prefilled on demand it costs its turn a fraction of a second,
+    # while re-warming the learning bench's 165 short conversation prompts held each reload 26 s
+    rewarm_min_tokens: int = Field(256, ge=0)
     # torch engine's dtype. float32 by default: the eval gate measures a candidate's helpfulness in
     # fp32, and SmolLM2-135M's greedy answers state 0.753 of the gate's facts in bf16-weights vs 0.802
     # in fp32 (the gate's whole margin), so only fp32 serves what the gate promoted.

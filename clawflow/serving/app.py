@@ -23,6 +23,7 @@ from clawflow.serving.generation import QueueFull, ReloadError
 from clawflow.serving.protocol import ChatCompletionRequest, error_body
 from clawflow.serving.limits import BodyLimitAndRequestIds
 from clawflow.store.metrics import STORE as STORE_METRICS
+from clawflow.users import KeyRefused, KeyResolver
 
 log = logging.getLogger("clawflow.gateway")
 
@@ -94,12 +95,15 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
     app.state.gateway = gw
     app.add_middleware(BodyLimitAndRequestIds, max_bytes=gw.cfg.serving.max_body_bytes)
 
+    keys = KeyResolver(gw.cfg)
+
     def require_key(authorization: str | None = Header(None)) -> str:
-        """The user the request's API key belongs to (today one key, `serving.api_key`, owned by
-        `serving.user`); every turn it sends is recorded under that user."""
-        if not _key_ok(authorization, gw.cfg.serving.api_key):
-            raise HTTPException(401, "Incorrect or missing API key (send `Authorization: Bearer <key>`).")
-        return gw.cfg.serving.user
+        """The user the request's API key belongs to (clawflow/users.py); every turn it sends is
+        recorded under that user."""
+        try:
+            return keys.resolve(_bearer(authorization))
+        except KeyRefused as exc:
+            raise HTTPException(401, str(exc)) from None
 
     def require_admin(authorization: str | None = Header(None)) -> None:
         if not _key_ok(authorization, gw.cfg.serving.admin_key):

@@ -147,15 +147,16 @@ class Batcher:
             job.fail(RuntimeError("engine closed"))
 
     # -- re-warm on reload -------------------------------------------------------------------
-    def rewarm(self, policy, budget_tokens: int, max_s: float) -> Future:
-        """Prefill the hottest cached prompts on `policy` (not serving yet), at most `budget_tokens`
-        tokens and `max_s` seconds; a Future of a `RewarmResult` (or of the error that stopped it)."""
+    def rewarm(self, policy, budget_tokens: int, max_s: float, min_prompt_tokens: int = 0) -> Future:
+        """Prefill the hottest cached prompts of at least `min_prompt_tokens` on `policy` (not serving
+        yet), at most `budget_tokens` tokens and `max_s` seconds; a Future of a `RewarmResult` (or of
+        the error that stopped it)."""
         if self.prefix is None or budget_tokens <= 0:
             fut: Future = Future()
             fut.set_result(RewarmResult([], 0, 0.0, True))
             return fut
         job = RewarmJob(policy, budget_tokens, time.monotonic() + max_s, self.prefix.max_tokens,
-                        self.prefix.min_tokens, self.rewarm_slice_s)
+                        max(self.prefix.min_tokens, min_prompt_tokens), self.rewarm_slice_s)
         with self._cv:
             if self._rewarm is not None:  # an earlier one its reload gave up on
                 self._rewarm.cancelled = True

@@ -46,7 +46,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
                  prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0,
                  prefill_chunk_tokens: int = 512, linear_kernel: str = "auto", rewarm_slice_s: float = SLICE_S,
-                 rewarm_yield_s: float = YIELD_S):
+                 rewarm_yield_s: float = YIELD_S, rewarm_min_tokens: int = 0):
         from transformers import AutoTokenizer
 
         if threads:
@@ -62,6 +62,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self._policy = _Policy(self._load(model_path), version, str(model_path))
         self._reload_lock = threading.Lock()
         self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
+        self.rewarm_min_tokens = rewarm_min_tokens  # shorter prompts are prefilled on demand
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
         self.eos_ids = self._eos_ids()
         self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens,
@@ -150,7 +151,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         if self.rewarm_tokens <= 0 or self.batcher.prefix is None:
             return None
         t0 = time.perf_counter()
-        fut = self.batcher.rewarm(policy, self.rewarm_tokens, self.rewarm_max_s)
+        fut = self.batcher.rewarm(policy, self.rewarm_tokens, self.rewarm_max_s, self.rewarm_min_tokens)
         try:  # the job stops itself at rewarm_max_s; the margin covers a request prefill it waits behind
             res = fut.result(timeout=self.rewarm_max_s + 60)
         except Exception as exc:  # out of memory, a time-out, anything: swap cold

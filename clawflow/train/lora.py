@@ -23,6 +23,16 @@ from clawflow.policy.loader import adapter_base, weights_dir
 from clawflow.train.checkpoint import copy_tokenizer, is_adapter
 
 
+def merged_copy(model):
+    """For generation: a copy of a LoRA-wrapped `model` with its adapter merged into the weights (one
+    matmul per Linear instead of three); `model` itself when it has no adapter."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload().eval()
+
+
 def load_policy(path: Path, dtype: torch.dtype, lora: LoraSpec | None):
     """The model to train from `path`: a full checkpoint, or base + adapter; LoRA-wrapped if asked.
 

@@ -49,7 +49,7 @@ from clawflow.train import distributed as D
 from clawflow.train import attention, optim, precision
 from clawflow.train.flops import causal_context, matmul_peak_flops, param_counts, peak_memory_mb, train_flops
 from clawflow.train.launch import EXIT_NO_SAMPLES
-from clawflow.train.lora import load_policy
+from clawflow.train.lora import load_policy, merged_copy
 from clawflow.train.objective import STAT_KEYS, Objective
 from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
 from clawflow.train.rewrite import eos_token_ids, generate_rewrites
@@ -96,7 +96,9 @@ class Recipe:
         self.pad_id = model.config.pad_token_id or 0
         if resume:
             self.cache = ckpt.load_cache(self.out, self.rank)
+        t_rewrite = time.monotonic()
         self.rewrite(model.to(self.device))
+        self.rewrite_seconds = round(time.monotonic() - t_rewrite, 1)
         bf16, speedup = precision.choose(cfg.autocast, model, self.device) if self.rank == 0 else (False, None)
         self.bf16 = bool(D.broadcast_from_rank0(bf16))  # every rank computes the same way
         if self.bf16:
@@ -135,22 +137,24 @@ class Recipe:
             self.pref_report = self.cache["preferences"]
             self.dropped = set(self.cache["dropped"])
         tok = tokenizer_for(self.base_dir)  # the one the plan used (train/plan.py), not loaded again
-        # generation is decode-bound: on CPU, the serving engine's packed fp32 Linears where they are
-        # faster (policy/packed_linear.py; the same fp32 math), unpacked before training
-        packed = bool(missing) and self.device.type == "cpu" and pack_if_faster(model)
+        # generation is decode-bound: an adapter merged into a copy of its base (peft's unmerged LoRA
+        # layers cost 1.2x a decode step) and, on CPU, the serving engine's packed fp32 Linears where
+        # they are faster (policy/packed_linear.py; the same fp32 math), unpacked before training
+        gen = merged_copy(model) if missing else model
+        packed = bool(missing) and self.device.type == "cpu" and pack_if_faster(gen)
         try:
             if missing and self.preferences:
-                self.use_preferences(model, missing, tok)
+                self.use_preferences(gen, missing, tok)
                 missing = [it for it in missing if it.index not in self.dropped]
             elif missing and self.cfg.rewrite_hints == "strongest":
-                self.use_strongest_hint(model, missing, tok)
+                self.use_strongest_hint(gen, missing, tok)
             if missing:
                 t0 = time.monotonic()
                 if self.cfg.rewrite_samples or self.cfg.rewrite_guidance:
-                    replies = self.best_of_n(model, missing, tok) if self.rank == 0 else []
+                    replies = self.best_of_n(gen, missing, tok) if self.rank == 0 else []
                 else:
-                    replies = generate_rewrites(model, [it.teacher_prompt for it in missing],
-                                                self.cfg.rewrite_max_tokens, eos_token_ids(model), self.pad_id)
+                    replies = generate_rewrites(gen, [it.teacher_prompt for it in missing],
+                                                self.cfg.rewrite_max_tokens, eos_token_ids(gen), self.pad_id)
                 replies = D.broadcast_from_rank0(replies)
                 done.update(zip((it.index for it in missing), replies))
                 self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns, rehearsal, general "
@@ -158,8 +162,9 @@ class Recipe:
                           f"hints in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} "
                           f"tokens{', packed Linears' if packed else ''})")
         finally:
-            if packed:
+            if packed and gen is model:
                 unpack_linears(model)
+            del gen
         eos, off = eos_token_ids(model), set(self.dropped)
         for it in todo:
             if it.index in off:
@@ -387,6 +392,7 @@ class Recipe:
             totals = {"steps": len(self.history), "samples": self.counts["samples"], "trainable": len(self.items),
                       "tokens": sum(r["n_tokens"] for r in self.history), "world_size": self.world,
                       "seconds": round(time.monotonic() - self.started, 3), "peak_flops": self.peak,
+                      "rewrite_seconds": self.rewrite_seconds,
                       "bf16_autocast": float(self.bf16)}
             meta = {"parent_version": self.args.parent_version, "base": str(self.base_dir),
                     "lora": self.cfg.lora is not None, "objective": self.cfg.objective, "teacher": self.cfg.teacher,
