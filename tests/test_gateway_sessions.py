@@ -71,8 +71,8 @@ def test_turns_carry_their_user_and_sessions_never_join_two_users(make_config):
 
         a1 = chat([{"role": "user", "content": "Alice asks: pick a colour."}])
         chat([{"role": "user", "content": "Alice, explicit session."}], **{"X-Session-Id": "shared-7"})
-        # the same key, now owned by bob: the ownership of a key is read on every request (until
-        # serving.users gives each user a key of their own)
+        # the same key, now owned by bob: the ownership of a key is read on every request
+        # (clawflow/users.py KeyResolver; tests/test_users.py gives each user a key of their own)
         app.state.gateway.cfg.serving.user = "bob"
         b1 = chat([*a1, {"role": "user", "content": "Bob extends Alice's turn."}])
         b2 = chat([*b1, {"role": "user", "content": "Bob goes on."}])
