@@ -295,7 +295,8 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
                 f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate'][:160]}, promoted={out['promoted']}; "
                 f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s "
                 f"({', '.join(f'{p} {s:.0f} s' for p, s in out.get('seconds', {}).items())}; "
-                f"rewrites {out.get('rewrite_seconds') or 0:.0f} s of train)"
+                f"rewrites {out.get('rewrite_seconds') or 0:.0f} s of train; then the next run's rewrites "
+                f"prepared in {out.get('prepare_seconds') or 0:.0f} s, not round time: the user talks meanwhile)"
                 + (f", collect hit-rate {sum(hits) / len(hits):.2f}" if hits else ""))
             candidates.append(_candidate(cfg, out))
             say(f"  v{out['version']} at the gate: " + json.dumps(candidates[-1]))

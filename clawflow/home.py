@@ -40,6 +40,7 @@ class Home:
     MODELS: ClassVar[str] = "models"  # GGUF/tiny models materialized as safetensors
     CHECKPOINTS: ClassVar[str] = "checkpoints"
     EVAL: ClassVar[str] = "eval"
+    REWRITES: ClassVar[str] = "rewrites"  # rewrites and preference strengths reused across runs (train/rewrite_cache.py)
     REGISTRY_CACHE: ClassVar[str] = "registry-cache"
     PREFECT: ClassVar[str] = "prefect"
     MLARTIFACTS: ClassVar[str] = "mlartifacts"
@@ -122,6 +123,10 @@ class Home:
     @property
     def eval(self) -> Path:
         return self.root / self.EVAL
+
+    @property
+    def rewrites(self) -> Path:
+        return self.root / self.REWRITES
 
     @property
     def registry_cache(self) -> Path:

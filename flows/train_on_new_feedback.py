@@ -1,5 +1,5 @@
 """train-on-new-feedback: collect batch → judge → standing preferences → train → gate (doses) → register →
-promote → commit → reload.
+promote → commit → reload → prepare the next run's rewrites.
 
 Triggered by `clawflow.shard.sealed` events (see prefect.yaml) or by hand:
     prefect deployment run train-on-new-feedback/train-on-new-feedback
@@ -19,9 +19,9 @@ from clawflow.config import load_config
 from clawflow.feedback import training_samples
 from clawflow.policy.holdout import split_holdout
 from tasks.policy import gate_doses, held_out_probes, tag_gate
-from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, maintain_store, promote,
-                            record_preferences, register, release_unjudged, reload_gateway, start_run, train_policy,
-                            update_preferences)
+from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, maintain_store,
+                            prepare_next_run, promote, record_preferences, register, release_unjudged, reload_gateway,
+                            start_run, train_policy, update_preferences)
 
 
 class Progress:
@@ -111,12 +111,17 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     log.info("v%d trained on %d samples and %d preferences from v%d: %s", version, len(samples), len(preferences),
              parent, gate.reason)
     log.info("where the time went: %s", ", ".join(f"{k} {v:.0f} s" for k, v in clock.seconds.items()))
+    # after the served weights: the next run's rewrites, written while the user talks (not round time)
+    progress(97, "preparing the next run's rewrites")
+    prepared = prepare_next_run(cfg, *current_policy(cfg, preferences)[:2], preferences) \
+        if cfg.train.prepare_next else {"prepared": False, "reason": "train.prepare_next is off"}
     last = metrics.get("per_step") or [{}]
     return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
                     "samples": len(samples), "preferences": len(preferences), "held_out": len(held_out),
                     "reward_mean": sum(rewards) / len(rewards), "promoted": gate.passed, "dose": gate.dose,
                     "gate": gate.reason, "mlflow_run": run_id, "reloaded": reloaded, "loss": last[-1].get("loss"),
-                    "seconds": clock.seconds, "rewrite_seconds": metrics.get("rewrite_seconds")},
+                    "seconds": clock.seconds, "rewrite_seconds": metrics.get("rewrite_seconds"),
+                    "prepare_seconds": prepared.get("seconds")},
                    progress)
 
 

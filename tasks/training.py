@@ -185,7 +185,8 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[Sample],
             prefs_file.write_text(json.dumps(preferences))
         try:
             metrics = run_training(cfg.source_file, cfg, Path(base), batch, out, parent_version=parent,
-                                   frozen_base=base_model_dir(cfg) if needs_base else None, preferences=prefs_file)
+                                   frozen_base=base_model_dir(cfg) if needs_base else None, preferences=prefs_file,
+                                   cache_dir=home.rewrites, broad_seed=registry.latest_version(cfg))
         except TrainingError as e:
             if e.returncode != EXIT_NO_SAMPLES:
                 raise
@@ -194,6 +195,36 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[Sample],
     registry.log_metrics(cfg, run_id, metrics.get("per_step", []),
                          {k: v for k, v in metrics.items() if k != "per_step"})
     return out, metrics
+
+
+@task(name="prepare-next-run", cache_policy=NO_CACHE, task_run_name="prepare-from-v{parent}")
+def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dict]) -> dict:
+    """The rewrites the next run from `start` (version `parent`, the champion) will read, written now
+    by a niced process (`recipe --prepare`) while the user talks, so the next round's training
+    only rewrites its own corrected turns. It draws the general prompts the next run will draw
+    (seeded by the newest version number, which the next run reads before it registers). Best
+    effort: when it fails or the preferences change, the next run computes them itself."""
+    import time
+
+    from clawflow.train.launch import run_prepare
+    from clawflow.train.objective import Objective
+
+    t = cfg.train
+    if not preferences or not (t.rehearsal or t.broad_prompts) or not Objective.from_config(t).rewrites:
+        return {"prepared": False, "reason": "nothing the next run would rewrite before its batch"}
+    home = Home(cfg.home)
+    prefs_file = home.rewrites / "next-preferences.json"
+    prefs_file.parent.mkdir(parents=True, exist_ok=True)
+    prefs_file.write_text(json.dumps(preferences))
+    t0 = time.monotonic()
+    try:
+        run_prepare(cfg.source_file, cfg, Path(start), prefs_file, home.rewrites, parent, registry.latest_version(cfg))
+    except TrainingError as exc:
+        get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", exc.reason)
+        return {"prepared": False, "reason": exc.reason}
+    seconds = round(time.monotonic() - t0, 1)
+    get_run_logger().info("prepared the next run's rewrites from v%d in %.0f s", parent, seconds)
+    return {"prepared": True, "seconds": seconds}
 
 
 @task(name="register-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

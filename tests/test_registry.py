@@ -57,6 +57,14 @@ def test_promote_and_rollback_move_aliases(cfg, tmp_path):
         registry.rollback(cfg, 9)
 
 
+def test_latest_version_is_the_newest_registered_promoted_or_not(cfg, tmp_path):
+    assert registry.latest_version(cfg) == 0  # nothing registered
+    for n in range(1, 12):  # past 9: numbers, not strings, are compared
+        new_version(cfg, tmp_path, n, n - 1)
+    registry.promote(cfg, 3)
+    assert registry.latest_version(cfg) == 11
+
+
 def test_rollback_without_champion_is_a_clear_error(cfg):
     with pytest.raises(LookupError, match="no champion"):
         registry.rollback(cfg)

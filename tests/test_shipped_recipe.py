@@ -310,6 +310,15 @@ def test_shipped_train_and_gate_sections_run_end_to_end(tmp_path, tiny_model_dir
     assert left_out[1] == rewritten == corrected + t.rehearsal + t.broad_prompts, (rewritten, left_out)
     assert rewritten - left_out[0] - broad[0] - corrected > 0, (rewritten, left_out, broad)
 
+    # -- after the run, the next run's rehearsal and general-prompt rewrites were prepared from the champion
+    from clawflow.train.rewrite_cache import RewriteCache
+
+    assert result["prepare_seconds"] is not None, result
+    champion_dir = registry.checkpoint_dir(cfg, *registry.champion(cfg), trainer_state=True)  # as the flow reads it
+    prepared = RewriteCache(cfg.home / "rewrites", champion_dir, t).data
+    assert len(prepared["replies"]) >= t.broad_prompts and len(prepared["strengths"]) == 1, \
+        (champion_dir, len(prepared["replies"]))
+
     metrics = json.loads((ckpt / "train_metrics.json").read_text())
     steps = metrics["per_step"]
     assert steps and metrics["steps"] == len(steps) >= 2

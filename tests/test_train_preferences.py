@@ -110,3 +110,54 @@ def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_mod
     trained, _ = load_model(out)
     answers = P.teacher_answers(base, tok, PROMPTS, report["taught"], MAX_TOKENS)
     assert P.gain(P.answer_loglik(base, tok, PROMPTS, answers), P.answer_loglik(trained, tok, PROMPTS, answers)) > 0
+
+
+@pytest.mark.slow  # two torchrun runs
+def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir, tmp_path):
+    """`recipe --prepare` (the flow's prepare-next-run, after a promotion) writes the next run's
+    general-prompt rewrites and preference strengths; the next run from the same weights, drawing
+    the same prompts, reuses them instead of generating; other weights find nothing."""
+    from clawflow.train.rewrite_cache import RewriteCache
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages, _ = CONVERSATIONS[0]
+    row = {"turn_id": "t0", "prompt_token_ids": encode(tok, messages), "response_logprobs": [-1.0] * 4,
+           "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4, "reward": -1.0,
+           "hint": "Too wordy.", "messages": json.dumps(messages), "tools": None, "group_id": None,
+           "policy_version": 0}
+    batch = tmp_path / "samples.parquet"
+    pq.write_table(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), batch)
+    prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy.", "Answer in at most 20 words."]}]
+    pfile = tmp_path / "prefs.json"
+    pfile.write_text(json.dumps(prefs))
+    qfile = tmp_path / "questions.yaml"
+    qfile.write_text(yaml.safe_dump({"questions": [{"prompt": p, "facts": [".*"]} for p in  # not the general prompts
+                                                   ("Who is that?", "Where is it?", "When was that?", "Which one?")]}))
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["home"] = str(tmp_path / "home")
+    raw["train"].update(micro_batch=2, lr=3e-3, epochs=1, objective="distill", rewrite_max_tokens=MAX_TOKENS,
+                        rewrite_samples=1, broad_prompts=4, broad_prompts_file=str(_prompts_file(tmp_path)),
+                        rehearsal_prompts=str(qfile), rehearsal=2)
+    cfg_path = tmp_path / "prefs.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    cfg, cache_dir = load_config(cfg_path), tmp_path / "rewrites"
+
+    launch.run_prepare(cfg_path, cfg, Path(tiny_model_dir), pfile, cache_dir, parent_version=0, broad_seed=7,
+                       timeout_s=300)
+    kept = RewriteCache(cache_dir, tiny_model_dir, cfg.train)
+    assert len(kept.data["replies"]) == 6  # 2 rehearsal questions + 4 general prompts
+    assert len(kept.data["strengths"]) == 1
+    assert RewriteCache(cache_dir, tmp_path, cfg.train).data["replies"] == {}  # other weights: nothing
+
+    out = tmp_path / "next-run"
+    metrics = launch.run_training(cfg_path, cfg, Path(tiny_model_dir), batch, out, timeout_s=300,
+                                  preferences=pfile, cache_dir=cache_dir, broad_seed=7)
+    log = (tmp_path / "next-run.log").read_text()
+    assert "6 rewrites written before with these weights, reused" in log
+    assert "preference strengths measured before with these weights, reused" in log
+    assert "rewrote 1 replies" in log  # only the corrected turn was generated
+    report = json.loads((out / PREFERENCES_REPORT).read_text())
+    assert report == list(kept.data["strengths"].values())[0]
+    assert metrics["steps"] >= 1
+    # the run added its own rewrite (the corrected turn) to what the next run from these weights finds
+    assert len(RewriteCache(cache_dir, tiny_model_dir, cfg.train).data["replies"]) == 7

@@ -66,6 +66,10 @@ class TrainConfig(_Strict):
     broad_prompts: int = Field(0, ge=0)
     broad_prompts_file: Path | None = None  # the general prompts to draw from (None: configs/train/prompts.yaml)
     max_preferences: int = Field(4, ge=1)  # the teacher reads the strongest this many
+    # After a run, a niced process writes the next run's rehearsal and general-prompt rewrites from
+    # the champion while the user talks (`recipe --prepare`, train/rewrite_cache.py): the next
+    # round then only rewrites its own corrected turns. Off: each run rewrites everything itself.
+    prepare_next: bool = True
     teacher: Literal["policy", "base"] = "policy"  # OPD teacher: the served policy (bench/opd_teacher.py), or the base
     opd_clip: float | None = Field(None, gt=0)  # bound |teacher - old| per token
     group_norm: bool = True  # GRPO (r - mean) / std within a group of samples of one prompt

@@ -218,6 +218,18 @@ def resolve(cfg: Config, ref: int | str) -> tuple[int, str]:
     return int(mv.version), source
 
 
+def latest_version(cfg: Config) -> int:
+    """The newest version number (promoted or not); 0 when nothing is registered."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = _client(cfg).search_model_versions(f"name='{cfg.model.name}'", max_results=1,
+                                                    order_by=["version_number DESC"])
+    except MlflowException:
+        return 0
+    return int(found[0].version) if found else 0
+
+
 def champion(cfg: Config) -> tuple[int, str] | None:
     try:
         return resolve(cfg, CHAMPION)

@@ -23,6 +23,7 @@ from clawflow.config import Config
 
 LOG_TAIL_LINES = 30
 EXIT_NO_SAMPLES = 3  # the recipe's exit status when the batch holds nothing trainable
+PREPARE_NICE = 10  # the prepare step yields the CPU to serving
 
 
 class TrainingError(RuntimeError):
@@ -35,7 +36,8 @@ class TrainingError(RuntimeError):
 
 def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, out: Path,
                      parent_version: int = 0, frozen_base: str | None = None, stop_after: int = 0,
-                     preferences: Path | None = None) -> list[str]:
+                     preferences: Path | None = None, cache_dir: Path | None = None,
+                     broad_seed: int | None = None) -> list[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *_rendezvous_args(cfg),
         f"--nproc_per_node={cfg.train.nproc}",
@@ -44,7 +46,9 @@ def torchrun_command(config_path: Path, cfg: Config, base: Path, batch: Path, ou
         "--parent-version", str(parent_version), "--stop-after", str(stop_after),
     ]  # fmt: skip
     return cmd + (["--frozen-base", str(frozen_base)] if frozen_base else []) \
-        + (["--preferences", str(preferences)] if preferences else [])
+        + (["--preferences", str(preferences)] if preferences else []) \
+        + (["--cache-dir", str(cache_dir)] if cache_dir else []) \
+        + (["--broad-seed", str(broad_seed)] if broad_seed is not None else [])
 
 
 def _rendezvous_args(cfg: Config) -> list[str]:
@@ -69,11 +73,14 @@ def run_training(
     frozen_base: str | Path | None = None,
     stop_after: int = 0,
     preferences: Path | None = None,
+    cache_dir: Path | None = None,
+    broad_seed: int | None = None,
 ) -> dict:
     """Train `base` (registry version `parent_version`) on the samples in `batch`, writing a
     checkpoint directory at `out`. `frozen_base` is the OPD teacher / KL reference when the config
     asks for the frozen base; `stop_after` stops resumably after that many steps (tests, time boxes);
-    `preferences` a JSON file of the user's standing preferences to distil.
+    `preferences` a JSON file of the user's standing preferences to distil; `cache_dir` keeps
+    rewrites across runs (train/rewrite_cache.py); `broad_seed` picks the general prompts.
 
     Returns the parsed `out/train_metrics.json`; raises `TrainingError` on a non-zero exit or
     a timeout (the whole process group is stopped); `.resumable` tells whether a rerun resumes.
@@ -87,7 +94,8 @@ def run_training(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     cmd = torchrun_command(Path(config_path).resolve(), cfg, Path(base).resolve(), Path(batch).resolve(), out,
                            parent_version, _model_ref(frozen_base), stop_after,
-                           Path(preferences).resolve() if preferences else None)
+                           Path(preferences).resolve() if preferences else None,
+                           Path(cache_dir).resolve() if cache_dir else None, broad_seed)
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -104,6 +112,36 @@ def run_training(
     if node > 0:  # global rank 0, on node 0, writes the checkpoint and its metrics
         return {"node_rank": node}
     return json.loads((out / "train_metrics.json").read_text())
+
+
+def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, cache_dir: Path,
+                parent_version: int, broad_seed: int, timeout_s: float | None = None) -> Path:
+    """`recipe --prepare` as one niced process (rank 0 generates alone; it must not slow the serving
+    it runs beside): the rewrites the next run from `base` reads, written into `cache_dir`.
+    Returns the log's path; raises `TrainingError` when it fails."""
+    cache_dir = Path(cache_dir).resolve()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    log_path = cache_dir / "prepare.log"
+    env = dict(os.environ)
+    pkg_root = str(Path(clawflow.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "clawflow.train.recipe", "--prepare", "--config", str(Path(config_path).resolve()),
+           "--base", str(Path(base).resolve()), "--preferences", str(Path(preferences).resolve()),
+           "--cache-dir", str(cache_dir), "--parent-version", str(parent_version), "--broad-seed", str(broad_seed)]
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=lambda: os.nice(PREPARE_NICE))
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise TrainingError(f"prepare timed out after {timeout_s:g} s", log_path, None)
+    if rc != 0:
+        raise TrainingError(f"prepare failed (exit {rc}): {_reason(log_path, cfg)}", log_path, rc)
+    return log_path
 
 
 def _model_ref(ref: str | Path | None) -> str | None:

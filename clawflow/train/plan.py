@@ -95,6 +95,20 @@ def prepare_items(cfg: TrainConfig, objective: Objective, samples: list[Sample],
     return items + rehearsed + broad, counts
 
 
+def next_run_items(cfg: TrainConfig, base: Path, parent_version: int, preferences: list[dict],
+                   broad_seed: int) -> list[Item]:
+    """What a run from `base` (registry version `parent_version`) with these standing preferences
+    rewrites whatever its batch holds: the rehearsal and the general prompts (`recipe --prepare`)."""
+    taught = teaching(preferences, cfg.max_preferences)
+    if not taught or not Objective.from_config(cfg).rewrites:
+        return []
+    from clawflow.policy.loader import tokenizer_for
+
+    tokenizer = tokenizer_for(base)
+    rehearsed = rehearsal_items(cfg, [taught], tokenizer, 0, parent_version)
+    return rehearsed + broad_items(cfg, taught, tokenizer, len(rehearsed), broad_seed)
+
+
 def teaching(preferences: list[dict] | None, limit: int) -> str:
     """The words the teacher reads for standing `preferences` (each a dict with `text`)."""
     from clawflow.prefs.update import teacher_text

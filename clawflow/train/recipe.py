@@ -2,7 +2,11 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=N -m clawflow.train.recipe \\
         --config CFG --base START_DIR --batch SAMPLES.parquet --out OUT_DIR \\
-        [--parent-version V] [--frozen-base BASE_DIR] [--stop-after STEPS]
+        [--parent-version V] [--frozen-base BASE_DIR] [--stop-after STEPS] \\
+        [--preferences PREFS.json] [--cache-dir DIR] [--broad-seed S]
+
+`--prepare` (no --batch, --out) only writes into --cache-dir the rewrites a run from --base with
+--preferences will read: the flow runs it after a promotion, so the next run finds them done.
 
 Math: `loss.py` and `advantages.py`; the objective is assembled once from config (`objective.py`).
 pi_old is the policy at the start of the run: for the first optimizer step it is the training
@@ -51,8 +55,10 @@ from clawflow.train.flops import causal_context, matmul_peak_flops, param_counts
 from clawflow.train.launch import EXIT_NO_SAMPLES
 from clawflow.train.lora import load_policy, merged_copy
 from clawflow.train.objective import STAT_KEYS, Objective
-from clawflow.train.plan import InputError, Item, collate_items, load_items, plan_steps, rank_micro_batches
+from clawflow.train.plan import (InputError, Item, collate_items, load_items, next_run_items, plan_steps,
+                                 rank_micro_batches)
 from clawflow.train.rewrite import eos_token_ids, generate_rewrites
+from clawflow.train.rewrite_cache import RewriteCache
 from clawflow.train.rewrite_choice import best_of_n, degenerate_hints, strongest_hint, usable_rewrite
 from clawflow.train.scoring import cached, dummy_forward, score_items
 from clawflow.train.teacher import teacher_prompt_ids
@@ -81,6 +87,16 @@ class Recipe:
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
+        model, resume = self.load_and_rewrite()
+        self.prepare_training(model, resume)
+
+    def prepare_only(self) -> None:
+        """`--prepare`: the rewrites (and preference strengths) the next run from these weights will
+        read, written to `--cache-dir`; no training. The flow runs it right after a promotion."""
+        self.load_and_rewrite()
+        self._log(f"clawflow.train: prepared {len(self.items)} rewrites for the next run from {self.start_dir}")
+
+    def load_and_rewrite(self):
         cfg = self.cfg
         self.rank, self.world, self.device = D.init()
         if cfg.threads:
@@ -90,7 +106,7 @@ class Recipe:
         if resume and resume["world"] != self.world:
             raise InputError(f"{ckpt.resume_dir(self.out)} was written by {resume['world']} ranks; "
                              f"resume it with --nproc_per_node={resume['world']}")
-        start = ckpt.resume_dir(self.out) / "model" if resume else self.args.base
+        start = self.start_dir = ckpt.resume_dir(self.out) / "model" if resume else self.args.base
         model, self.base_dir = load_policy(start, torch.float32, cfg.lora)
         self.save_dtype = ckpt.model_dtype(self.base_dir)
         self.pad_id = model.config.pad_token_id or 0
@@ -99,6 +115,10 @@ class Recipe:
         t_rewrite = time.monotonic()
         self.rewrite(model.to(self.device))
         self.rewrite_seconds = round(time.monotonic() - t_rewrite, 1)
+        return model, resume
+
+    def prepare_training(self, model, resume) -> None:
+        cfg = self.cfg
         bf16, speedup = precision.choose(cfg.autocast, model, self.device) if self.rank == 0 else (False, None)
         self.bf16 = bool(D.broadcast_from_rank0(bf16))  # every rank computes the same way
         if self.bf16:
@@ -127,7 +147,8 @@ class Recipe:
 
     def rewrite(self, model) -> None:
         """distill: the hinted policy writes each corrected turn's new reply (train/rewrite.py), with the
-        start-of-run weights, before FSDP shards them; a resumed run reuses the saved rewrites."""
+        start-of-run weights, before FSDP shards them; a resumed run reuses the saved rewrites, any run
+        what was written before with the same weights (`--cache-dir`, train/rewrite_cache.py)."""
         todo = [it for it in self.items if it.rewrite]
         if not todo:
             return
@@ -137,26 +158,46 @@ class Recipe:
             self.pref_report = self.cache["preferences"]
             self.dropped = set(self.cache["dropped"])
         tok = tokenizer_for(self.base_dir)  # the one the plan used (train/plan.py), not loaded again
+        kept = RewriteCache(self.args.cache_dir, self.start_dir, self.cfg) \
+            if getattr(self.args, "cache_dir", None) and self.rank == 0 else None
         # generation is decode-bound: an adapter merged into a copy of its base (peft's unmerged LoRA
         # layers cost 1.2x a decode step) and, on CPU, the serving engine's packed fp32 Linears where
         # they are faster (policy/packed_linear.py; the same fp32 math), unpacked before training
-        gen = merged_copy(model) if missing else model
-        packed = bool(missing) and self.device.type == "cpu" and pack_if_faster(gen)
+        gen, packed = None, False
+
+        def generator():
+            nonlocal gen, packed
+            if gen is None:
+                gen = merged_copy(model)
+                packed = self.device.type == "cpu" and pack_if_faster(gen)
+            return gen
+
         try:
             if missing and self.preferences:
-                self.use_preferences(gen, missing, tok)
+                self.use_preferences(generator, missing, tok, kept)
                 missing = [it for it in missing if it.index not in self.dropped]
             elif missing and self.cfg.rewrite_hints == "strongest":
-                self.use_strongest_hint(gen, missing, tok)
+                self.use_strongest_hint(generator(), missing, tok)
+            if missing:
+                reused = {it.index: r for it in missing if kept is not None
+                          and (r := kept.reply(it.teacher_prompt, it.prompt)) is not None}
+                reused = D.broadcast_from_rank0(reused)
+                if reused:
+                    done.update(reused)
+                    missing = [it for it in missing if it.index not in reused]
+                    self._log(f"clawflow.train: {len(reused)} rewrites written before with these weights, reused "
+                              f"(the prepare step or an earlier run)")
             if missing:
                 t0 = time.monotonic()
                 if self.cfg.rewrite_samples or self.cfg.rewrite_guidance:
-                    replies = self.best_of_n(gen, missing, tok) if self.rank == 0 else []
+                    replies = self.best_of_n(generator(), missing, tok) if self.rank == 0 else []
                 else:
-                    replies = generate_rewrites(gen, [it.teacher_prompt for it in missing],
-                                                self.cfg.rewrite_max_tokens, eos_token_ids(gen), self.pad_id)
+                    replies = generate_rewrites(generator(), [it.teacher_prompt for it in missing],
+                                                self.cfg.rewrite_max_tokens, eos_token_ids(model), self.pad_id)
                 replies = D.broadcast_from_rank0(replies)
                 done.update(zip((it.index for it in missing), replies))
+                if kept is not None:
+                    kept.add_replies(((it.teacher_prompt, it.prompt), r) for it, r in zip(missing, replies))
                 self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns, rehearsal, general "
                           f"prompts) with "
                           f"hints in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} "
@@ -202,28 +243,38 @@ class Recipe:
                 it.hint = best
                 it.teacher_prompt = teacher_prompt_ids(tok, it.messages, best, it.tools, in_system=in_system)
 
-    def use_preferences(self, model, items: list[Item], tok) -> None:
+    def use_preferences(self, generator, items: list[Item], tok, kept: RewriteCache | None = None) -> None:
         """Standing preferences (`--preferences`): every variant's strength measured (rank 0), each
         preference read in its strongest words, one whose teacher answers are empty or off the
         question dropped for this run; every rewrite then reads them (a corrected turn adds its own
-        hint when that one is about the turn's content, not a standing preference)."""
+        hint when that one is about the turn's content, not a standing preference). What was measured
+        for the same preferences and weights before (`kept`) is reused."""
         from clawflow.prefs.axes import stance
         from clawflow.prefs.update import teacher_text
 
         report = None
         if self.rank == 0:
-            texts = sorted({v for p in self.preferences for v in p["variants"]})
-            _, strength = strongest_hint(model, tok, texts, self.cfg, self.pad_id, self.device)
-            prefs = []
-            for p in self.preferences:
-                best = max(p["variants"], key=lambda v: strength.get(v, float("-inf")))
-                prefs.append({"pref_id": p["pref_id"], "text": best, "strength": strength.get(best, 0.0)})
-            prefs.sort(key=lambda p: -p["strength"])
-            bad = degenerate_hints(model, tok, [p["text"] for p in prefs], self.cfg, self.pad_id)
-            kept = [p for p in prefs if p["text"] not in bad]
-            report = {"strengths": strength, "taught": teacher_text([p["text"] for p in kept], self.cfg.max_preferences),
-                      "preferences": prefs, "dropped": [{**p, "why": bad[p["text"]]} for p in prefs
-                                                        if p["text"] in bad]}
+            key = [[p["pref_id"], sorted(p["variants"])] for p in self.preferences] + [self.cfg.max_preferences]
+            report = kept.preference_report(key) if kept is not None else None
+            if report is not None:
+                self._log("clawflow.train: preference strengths measured before with these weights, reused")
+            else:
+                model = generator()
+                texts = sorted({v for p in self.preferences for v in p["variants"]})
+                _, strength = strongest_hint(model, tok, texts, self.cfg, self.pad_id, self.device)
+                prefs = []
+                for p in self.preferences:
+                    best = max(p["variants"], key=lambda v: strength.get(v, float("-inf")))
+                    prefs.append({"pref_id": p["pref_id"], "text": best, "strength": strength.get(best, 0.0)})
+                prefs.sort(key=lambda p: -p["strength"])
+                bad = degenerate_hints(model, tok, [p["text"] for p in prefs], self.cfg, self.pad_id)
+                good = [p for p in prefs if p["text"] not in bad]
+                report = {"strengths": strength,
+                          "taught": teacher_text([p["text"] for p in good], self.cfg.max_preferences),
+                          "preferences": prefs, "dropped": [{**p, "why": bad[p["text"]]} for p in prefs
+                                                            if p["text"] in bad]}
+                if kept is not None:
+                    kept.add_preference_report(key, report)
         self.pref_report = self.cache["preferences"] = report = D.broadcast_from_rank0(report)
         self._log("clawflow.train: preference strengths " + json.dumps({k[:40]: round(v, 3) for k, v in
                                                                          report["strengths"].items()}))
@@ -417,25 +468,46 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="clawflow.train.recipe", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, type=Path)
     p.add_argument("--base", required=True, type=Path, help="start weights: a HF directory or a LoRA adapter")
-    p.add_argument("--batch", required=True, type=Path, help="Parquet file of scored samples")
-    p.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
+    p.add_argument("--batch", type=Path, help="Parquet file of scored samples")
+    p.add_argument("--out", type=Path, help="checkpoint directory to create")
     p.add_argument("--parent-version", type=int, default=0, help="registry version of --base (staleness, metadata)")
     p.add_argument("--frozen-base", default=None, help="the frozen base, a directory or hub id (teacher: base, KL ref)")
     p.add_argument("--stop-after", type=int, default=0, help="stop resumably after this many steps (0: never)")
     p.add_argument("--preferences", type=Path, default=None,
                    help="JSON list of the user's standing preferences ({pref_id, text, variants}), strongest first")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="rewrites and preference strengths kept across runs (train/rewrite_cache.py)")
+    p.add_argument("--broad-seed", type=int, default=None,
+                   help="which general prompts this run draws (default: from --out's name)")
+    p.add_argument("--prepare", action="store_true",
+                   help="only write the rewrites a run from --base with --preferences will read into --cache-dir "
+                        "(no --batch, no training)")
     args = p.parse_args(argv)
-    args.base, args.out = args.base.resolve(), args.out.resolve()
+    args.base = args.base.resolve()
+    if args.prepare and not (args.cache_dir and args.preferences):
+        p.error("--prepare needs --cache-dir and --preferences")
+    if not args.prepare and not (args.batch and args.out):
+        p.error("--batch and --out are required")
+    args.out = (args.out or args.cache_dir / "prepare").resolve()
     try:
         cfg = load_config(args.config).train
         if not args.base.is_dir():
             raise InputError(f"base model directory not found: {args.base}")
-        if args.out.exists():
+        if args.out.exists() and not args.prepare:
             raise InputError(f"output already exists, refusing to overwrite: {args.out}")
         args.preferences_list = json.loads(args.preferences.read_text()) if args.preferences else []
-        items, counts, turn_ids = load_items(cfg, args.batch, args.base, args.parent_version,
-                                             args.preferences_list, zlib.crc32(args.out.name.encode()))
+        seed = args.broad_seed if args.broad_seed is not None else zlib.crc32(args.out.name.encode())
+        if args.prepare:
+            items, counts, turn_ids = next_run_items(cfg, args.base, args.parent_version, args.preferences_list,
+                                                     seed), {}, []
+        else:
+            items, counts, turn_ids = load_items(cfg, args.batch, args.base, args.parent_version,
+                                                 args.preferences_list, seed)
         recipe = Recipe(cfg, args, items, counts, turn_ids)
+        if args.prepare:
+            recipe.prepare_only()
+            recipe.cleanup()
+            return 0
         recipe.setup()
     except (InputError, ConfigError, ValueError, OSError) as exc:
         print(f"clawflow.train: error: {exc}", file=sys.stderr, flush=True)

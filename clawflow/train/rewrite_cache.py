@@ -1,0 +1,89 @@
+"""Rewrites and preference strengths kept across runs.
+
+What the hinted policy writes for a prompt depends only on the weights that write it, the prompt
+pair (hinted, plain) and the rewrite settings; the strength of a preference's wording only on the
+weights, the wordings and those settings. So a run reuses what was computed for the same weights
+before: above all what the prepare step (`recipe --prepare`, run by the flow right after a
+promotion, while the user talks) wrote for the next run's general prompts and rehearsal. A run
+whose preferences or champion changed since finds nothing to reuse and computes as before.
+
+One JSON file per (weights, settings); a file that cannot be read counts as empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from clawflow.config import TrainConfig
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def weights_stamp(model_dir: str | Path) -> list:
+    """The directory and its weight files' names, sizes and mtimes: a checkpoint directory is written
+    once (train/checkpoint.py renames it into place), so this names the weights."""
+    d = Path(model_dir).resolve()
+    files = sorted(f for f in d.iterdir() if f.suffix in WEIGHT_SUFFIXES) if d.is_dir() else []
+    return [str(d), [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]]
+
+
+def rewrite_settings(cfg: TrainConfig) -> dict:
+    """The train settings a rewrite's tokens depend on."""
+    return {k: v for k, v in cfg.model_dump().items() if k.startswith("rewrite_")} | {"seed": cfg.seed}
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class RewriteCache:
+    """{(hinted prompt, plain prompt): reply tokens} and {preferences: what their wordings measured}
+    for one set of weights."""
+
+    def __init__(self, root: str | Path | None, model_dir: str | Path, cfg: TrainConfig):
+        self.root = Path(root) if root else None
+        key = _digest([weights_stamp(model_dir), rewrite_settings(cfg)])
+        self.path = self.root / f"rewrites-{key}.json" if self.root else None
+        self.data = self._read()
+
+    def _read(self) -> dict:
+        if not self.path or not self.path.is_file():
+            return {"replies": {}, "strengths": {}}
+        try:
+            data = json.loads(self.path.read_text())
+            return {"replies": dict(data.get("replies", {})), "strengths": dict(data.get("strengths", {}))}
+        except (OSError, ValueError, AttributeError):
+            return {"replies": {}, "strengths": {}}
+
+    @staticmethod
+    def item_key(teacher_prompt: list[int], prompt: list[int]) -> str:
+        return _digest([list(teacher_prompt), list(prompt)])
+
+    def reply(self, teacher_prompt: list[int], prompt: list[int]) -> list[int] | None:
+        found = self.data["replies"].get(self.item_key(teacher_prompt, prompt))
+        return list(found) if found is not None else None
+
+    def add_replies(self, pairs) -> None:
+        """`pairs`: ((hinted prompt, plain prompt), reply tokens); written at once."""
+        for (hinted, plain), reply in pairs:
+            self.data["replies"][self.item_key(hinted, plain)] = list(reply)
+        self._write()
+
+    def preference_report(self, preferences) -> dict | None:
+        """What `Recipe.use_preferences` measured for these preferences (any JSON-able description)."""
+        return self.data["strengths"].get(_digest(preferences))
+
+    def add_preference_report(self, preferences, report: dict) -> None:
+        self.data["strengths"][_digest(preferences)] = report
+        self._write()
+
+    def _write(self) -> None:
+        if not self.path:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.path)  # readers see the old file or the new one, never half of one
