@@ -49,6 +49,28 @@ def test_normal_update_passes(tiny_model_dir, tmp_path, gate):
     assert result.metrics["probes"] == len(gate.probes)
 
 
+def test_the_champion_side_is_computed_once_for_every_dose(tiny_model_dir, tmp_path, gate):
+    """`evaluate_doses` hands one `Champion` to each dose's `evaluate`: the champion's probe replies
+    are generated once, and the verdict is the one a fresh champion gives."""
+    from clawflow.policy.gate import Champion
+
+    nudged = variant(tiny_model_dir, tmp_path / "nudged",
+                     lambda m: [p.add_(1e-4 * torch.randn_like(p)) for p in m.parameters()])
+    fresh = evaluate(gate, nudged, tiny_model_dir)
+    champion = Champion(tiny_model_dir)
+    first = evaluate(gate, nudged, tiny_model_dir, champion=champion)
+    replies, judged = champion.replies, champion.judged
+    assert len(replies) == len(gate.probes) and judged == []
+    calls = []
+    generate = champion.model.generate
+    champion.model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    second = evaluate(gate, nudged, tiny_model_dir, champion=champion)
+    assert calls == [] and champion.replies is replies  # nothing generated again
+    for r in (first, second):
+        assert r.passed == fresh.passed and r.metrics["probe_kl"] == pytest.approx(fresh.metrics["probe_kl"])
+    assert {"seconds_load", "seconds_drift", "seconds_judged"} <= set(second.metrics)
+
+
 def test_nan_weights_are_rejected_without_probing(tiny_model_dir, tmp_path, gate):
     broken = variant(tiny_model_dir, tmp_path / "nan", lambda m: m.model.layers[0].mlp.up_proj.weight.fill_(float("nan")))
     assert nonfinite_tensors(broken) == ["model.layers.0.mlp.up_proj.weight"]

@@ -86,7 +86,7 @@ def judged_verdict(m: dict[str, float], margin: float, min_turns: int = 1) -> st
     return None
 
 
-def load_pair(champion_dir: str, candidate_dir: str):
+def load_pair(champion_dir: str, candidate_dir: str):  # tests and benches: both models at once
     """(tokenizer, champion, candidate); a LoRA adapter directory is loaded onto its base, merged."""
     from clawflow.helpfulness import load_model
 
@@ -95,11 +95,13 @@ def load_pair(champion_dir: str, candidate_dir: str):
     return tok, champ, cand
 
 
-def drift(tok, champ, cand, prompts: list[str], max_new_tokens: int, step: Step | None = None) -> dict[str, float]:
-    """Mean per-token KL(champion ‖ candidate) and NLL change on the champion's greedy replies."""
+def champion_replies(tok, champ, prompts: list[str], max_new_tokens: int,
+                     step: Step | None = None) -> list[tuple]:
+    """The champion's side of `drift`: per probe its greedy reply (prompt + reply ids, reply length)
+    and its log-probabilities over the reply; the same for every dose of one candidate."""
     import torch
 
-    kls, nll_deltas = [], []
+    out = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -109,9 +111,22 @@ def drift(tok, champ, cand, prompts: list[str], max_new_tokens: int, step: Step 
             n = full.shape[1] - ids.shape[1]
             if step:
                 step()
-            if n == 0:
-                continue
-            lp_c = torch.log_softmax(champ(full).logits[0, -n - 1 : -1].float(), -1)  # [n, V]
+            if n:
+                out.append((full, n, torch.log_softmax(champ(full).logits[0, -n - 1 : -1].float(), -1)))
+    return out
+
+
+def drift(tok, champ, cand, prompts: list[str], max_new_tokens: int, step: Step | None = None,
+          replies: list[tuple] | None = None) -> dict[str, float]:
+    """Mean per-token KL(champion ‖ candidate) and NLL change on the champion's greedy replies
+    (`replies`: `champion_replies`, when already computed)."""
+    import torch
+
+    kls, nll_deltas = [], []
+    if replies is None:
+        replies = champion_replies(tok, champ, prompts, max_new_tokens, step)
+    with torch.inference_mode():
+        for full, n, lp_c in replies:
             lp_k = torch.log_softmax(cand(full).logits[0, -n - 1 : -1].float(), -1)
             kls.append(float((lp_c.exp() * (lp_c - lp_k)).sum(-1).mean()))
             target = full[0, -n:, None]
@@ -141,10 +156,15 @@ def reply_loglik(model, turns: Sequence[ProbeTurn], max_tokens: int, step: Step 
 
 
 def judged_probe(tok, champ, cand, turns: Sequence[ProbeTurn], max_tokens: int,
-                 step: Step | None = None) -> dict[str, float]:
-    turns = [t for t in turns if len(t.response_token_ids) > 0 and len(t.prompt_token_ids) > 0]
-    return judged_margins(reply_loglik(champ, turns, max_tokens, step), reply_loglik(cand, turns, max_tokens, step),
-                          [int(t.score) for t in turns])
+                 step: Step | None = None, champion_lp: list[float] | None = None) -> dict[str, float]:
+    turns = scorable(turns)
+    if champion_lp is None:
+        champion_lp = reply_loglik(champ, turns, max_tokens, step)
+    return judged_margins(champion_lp, reply_loglik(cand, turns, max_tokens, step), [int(t.score) for t in turns])
+
+
+def scorable(turns: Sequence[ProbeTurn] | None) -> list[ProbeTurn]:
+    return [t for t in turns or [] if len(t.response_token_ids) > 0 and len(t.prompt_token_ids) > 0]
 
 
 def helpfulness_check(h: HelpfulnessGateConfig, tok, champ, cand, candidate_dir: str, champion_dir: str,
@@ -178,22 +198,48 @@ def helpfulness_check(h: HelpfulnessGateConfig, tok, champ, cand, candidate_dir:
     return H.verdict(candidate, refs, h), m
 
 
+class Champion:
+    """The champion's side of the gate, loaded and computed once for every dose of a candidate."""
+
+    def __init__(self, champion_dir: str):
+        from clawflow.helpfulness import load_model
+
+        self.dir = champion_dir
+        self.model, self.tok = load_model(champion_dir)
+        self.replies: list[tuple] | None = None  # drift: the champion's probe replies
+        self.judged: list[float] | None = None  # the champion's log-likelihood of the held-out turns
+
+
 def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
              judged: Sequence[ProbeTurn] | None = None, base_dir: str | None = None,
-             cache_dir: Path | None = None) -> GateResult:
+             cache_dir: Path | None = None, champion: Champion | None = None) -> GateResult:
     """The verdict on `candidate_dir` vs `champion_dir`; `judged` are held-out judged turns
     (policy/holdout.py), empty or None to skip that check; `base_dir`
     is the base model the helpfulness check also compares with; `cache_dir` keeps the references'
-    helpfulness figures."""
+    helpfulness figures; `champion`, when given, keeps the champion's side between calls. The
+    seconds each check took are in the figures (`seconds_*`)."""
     if bad := nonfinite_tensors(candidate_dir):
         return GateResult(False, f"non-finite weights in {len(bad)} tensors (e.g. {bad[0]})",
                           {"nonfinite_tensors": float(len(bad))})
     if not gate.enabled:
         return GateResult(True, "gate disabled: finite weights only", {"nonfinite_tensors": 0.0})
-    tok, champ, cand = load_pair(champion_dir, candidate_dir)
-    m = drift(tok, champ, cand, gate.probes, gate.max_new_tokens)
+    from clawflow.helpfulness import load_model
+
+    t0 = time.monotonic()
+    champion = champion or Champion(champion_dir)
+    tok, champ = champion.tok, champion.model
+    cand, _ = load_model(candidate_dir)
+    t1 = time.monotonic()
+    if champion.replies is None:
+        champion.replies = champion_replies(tok, champ, gate.probes, gate.max_new_tokens)
+    m = drift(tok, champ, cand, gate.probes, gate.max_new_tokens, replies=champion.replies)
     m["nonfinite_tensors"] = 0.0
-    m.update(judged_probe(tok, champ, cand, judged or [], gate.max_probe_tokens))
+    t2 = time.monotonic()
+    turns = scorable(judged)
+    if champion.judged is None:
+        champion.judged = reply_loglik(champ, turns, gate.max_probe_tokens)
+    m.update(judged_probe(tok, champ, cand, turns, gate.max_probe_tokens, champion_lp=champion.judged))
+    m.update(seconds_load=t1 - t0, seconds_drift=t2 - t1, seconds_judged=time.monotonic() - t2)
     if not math.isfinite(m["probe_kl"]) or m["probe_kl"] > gate.max_kl:
         return GateResult(False, f"probe KL {m['probe_kl']:.4f} > max_kl {gate.max_kl}", m)
     if m["probe_nll_increase"] > gate.max_nll_increase:
@@ -249,15 +295,14 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
 
     per: dict[float, dict[str, float]] = {}
     pref = None
+    champion = Champion(champion_dir) if gate.enabled else None
     if taught and gate.enabled:
-        from clawflow.helpfulness import load_model
-
-        champ, tok = load_model(champion_dir)
+        t0 = time.monotonic()
+        champ, tok = champion.model, champion.tok
         prompts = P.load_prompts(gate.preference_prompts)
         answers = P.cached_answers(cache_dir, champion_dir, prompts, taught, gate.preference_max_tokens,
                                    lambda: P.teacher_answers(champ, tok, prompts, taught, gate.preference_max_tokens))
-        pref = (tok, prompts, answers, P.answer_loglik(champ, tok, prompts, answers))
-        del champ
+        pref = (tok, prompts, answers, P.answer_loglik(champ, tok, prompts, answers), time.monotonic() - t0)
     last: GateResult | None = None
     for dose in gate.doses:
         path = candidate_dir if dose == 1.0 else str(write_dosed(candidate_dir, champion_dir, dose,
@@ -267,15 +312,18 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         if pref is not None:
             from clawflow.helpfulness import load_model
 
-            tok, prompts, answers, champ_lp = pref
+            t0 = time.monotonic()
+            tok, prompts, answers, champ_lp, teacher_s = pref
             cand, _ = load_model(path)
             m["pref_gain"] = P.gain(champ_lp, P.answer_loglik(cand, tok, prompts, answers))
+            m["seconds_preference"] = time.monotonic() - t0 + teacher_s
+            pref = (*pref[:4], 0.0)  # the teacher's side is counted once, with the first dose
             del cand
             if not m["pref_gain"] > gate.min_preference_gain:
                 last = GateResult(False, f"the preference measure is {m['pref_gain']:+.4f} nats/token at dose "
                                          f"{dose:g}, not past the champion's (+{gate.min_preference_gain})", m)
                 break
-        r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir)
+        r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion)
         m.update(r.metrics)
         if r.passed:
             said = f"; preference {m['pref_gain']:+.4f} nats/token" if "pref_gain" in m else ""
