@@ -208,6 +208,7 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
 
     from clawflow.train.launch import run_prepare
     from clawflow.train.objective import Objective
+    from tasks.policy import helpfulness_cache
 
     t = cfg.train
     if not preferences or not (t.rehearsal or t.broad_prompts) or not Objective.from_config(t).rewrites:
@@ -218,7 +219,8 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
     prefs_file.write_text(json.dumps(preferences))
     t0 = time.monotonic()
     try:
-        run_prepare(cfg.source_file, cfg, Path(start), prefs_file, home.rewrites, parent, registry.latest_version(cfg))
+        run_prepare(cfg.source_file, cfg, Path(start), prefs_file, home.rewrites, parent, registry.latest_version(cfg),
+                    gate_cache=helpfulness_cache(cfg))
     except TrainingError as exc:
         get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", exc.reason)
         return {"prepared": False, "reason": exc.reason}

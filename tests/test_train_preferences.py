@@ -143,10 +143,18 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
     cfg, cache_dir = load_config(cfg_path), tmp_path / "rewrites"
 
     launch.run_prepare(cfg_path, cfg, Path(tiny_model_dir), pfile, cache_dir, parent_version=0, broad_seed=7,
-                       timeout_s=300)
+                       timeout_s=300, gate_cache=tmp_path / "gate")
     kept = RewriteCache(cache_dir, tiny_model_dir, cfg.train)
     assert len(kept.data["replies"]) == 6  # 2 rehearsal questions + 4 general prompts
     assert len(kept.data["strengths"]) == 1
+    # the gate finds the teacher's answers for these weights and what they taught
+    from clawflow.policy import preference_probe as P
+
+    taught, g = list(kept.data["strengths"].values())[0]["taught"], cfg.gate
+    assert g.enabled and taught
+    found = P.cached_answers(tmp_path / "gate", tiny_model_dir, P.load_prompts(g.preference_prompts), taught,
+                             g.preference_max_tokens, lambda: pytest.fail("the teacher's answers were not prepared"))
+    assert len(found) == len(P.load_prompts(g.preference_prompts))
     assert RewriteCache(cache_dir, tmp_path, cfg.train).data["replies"] == {}  # other weights: nothing
 
     out = tmp_path / "next-run"

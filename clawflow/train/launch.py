@@ -115,9 +115,11 @@ def run_training(
 
 
 def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, cache_dir: Path,
-                parent_version: int, broad_seed: int, timeout_s: float | None = None) -> Path:
+                parent_version: int, broad_seed: int, timeout_s: float | None = None,
+                gate_cache: Path | None = None) -> Path:
     """`recipe --prepare` as one niced process (rank 0 generates alone; it must not slow the serving
-    it runs beside): the rewrites the next run from `base` reads, written into `cache_dir`.
+    it runs beside): the rewrites the next run from `base` reads, written into `cache_dir`, and the
+    teacher answers its gate reads, into `gate_cache`.
     Returns the log's path; raises `TrainingError` when it fails."""
     cache_dir = Path(cache_dir).resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,8 @@ def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, c
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "clawflow.train.recipe", "--prepare", "--config", str(Path(config_path).resolve()),
            "--base", str(Path(base).resolve()), "--preferences", str(Path(preferences).resolve()),
-           "--cache-dir", str(cache_dir), "--parent-version", str(parent_version), "--broad-seed", str(broad_seed)]
+           "--cache-dir", str(cache_dir), "--parent-version", str(parent_version), "--broad-seed", str(broad_seed)] \
+        + (["--gate-cache", str(Path(gate_cache).resolve())] if gate_cache else [])
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()

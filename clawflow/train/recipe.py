@@ -95,6 +95,28 @@ class Recipe:
         read, written to `--cache-dir`; no training. The flow runs it right after a promotion."""
         self.load_and_rewrite()
         self._log(f"clawflow.train: prepared {len(self.items)} rewrites for the next run from {self.start_dir}")
+        taught = (self.pref_report or {}).get("taught")
+        if self.rank == 0 and taught and getattr(self.args, "gate_cache", None):
+            self.prepare_gate(taught)
+
+    def prepare_gate(self, taught: str) -> None:
+        """The gate's preference measure for a candidate of the next run needs the teacher's answers
+        (these weights with `taught` in the system prompt): written into the gate's cache now."""
+        from clawflow.helpfulness import load_model
+        from clawflow.policy import preference_probe as P
+
+        gate = load_config(self.args.config).gate
+        if not gate.enabled:
+            return
+        t0, prompts = time.monotonic(), P.load_prompts(gate.preference_prompts)
+
+        def answers():
+            model, tok = load_model(str(self.start_dir))  # as the gate loads the champion
+            return P.teacher_answers(model, tok, prompts, taught, gate.preference_max_tokens)
+
+        P.cached_answers(self.args.gate_cache, str(self.start_dir), prompts, taught, gate.preference_max_tokens,
+                         answers)
+        self._log(f"clawflow.train: prepared the gate's teacher answers in {time.monotonic() - t0:.1f} s")
 
     def load_and_rewrite(self):
         cfg = self.cfg
@@ -479,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rewrites and preference strengths kept across runs (train/rewrite_cache.py)")
     p.add_argument("--broad-seed", type=int, default=None,
                    help="which general prompts this run draws (default: from --out's name)")
+    p.add_argument("--gate-cache", type=Path, default=None,
+                   help="--prepare: also write the gate's teacher answers for these weights into this directory")
     p.add_argument("--prepare", action="store_true",
                    help="only write the rewrites a run from --base with --preferences will read into --cache-dir "
                         "(no --batch, no training)")
