@@ -208,6 +208,7 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
 
     from clawflow.train.launch import run_prepare
     from clawflow.train.objective import Objective
+    from clawflow.train.rewrite_cache import prune
     from tasks.policy import helpfulness_cache
 
     t = cfg.train
@@ -225,6 +226,7 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
         get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", exc.reason)
         return {"prepared": False, "reason": exc.reason}
     seconds = round(time.monotonic() - t0, 1)
+    prune(home.rewrites)  # the files of earlier champions
     get_run_logger().info("prepared the next run's rewrites from v%d in %.0f s", parent, seconds)
     return {"prepared": True, "seconds": seconds}
 

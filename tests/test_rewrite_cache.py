@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from clawflow.config import TrainConfig
-from clawflow.train.rewrite_cache import RewriteCache
+from clawflow.train.rewrite_cache import RewriteCache, prune
 
 
 def _weights(d, data=b"w"):
@@ -44,3 +44,15 @@ def test_preference_reports_and_unreadable_files(tmp_path):
     fresh.add_replies([(([1], [2]), [3])])
     assert RewriteCache(tmp_path / "cache", model, cfg).reply([1], [2]) == [3]
     assert RewriteCache(None, model, cfg).reply([1], [2]) is None  # no cache dir: nothing kept
+
+
+def test_prune_keeps_the_newest_files(tmp_path):
+    cfg = TrainConfig()
+    paths = []
+    for n in range(6):
+        cache = RewriteCache(tmp_path / "cache", _weights(tmp_path / f"v{n}"), cfg)
+        cache.add_replies([(([n], [n]), [n])])
+        os.utime(cache.path, ns=(10**18 + n * 10**9, 10**18 + n * 10**9))
+        paths.append(cache.path)
+    assert sorted(prune(tmp_path / "cache", keep=4)) == sorted(paths[:2])
+    assert [p.exists() for p in paths] == [False, False, True, True, True, True]

@@ -20,6 +20,7 @@ from pathlib import Path
 from clawflow.config import TrainConfig
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+KEEP_FILES = 4  # the champion's, and a few recent others (a rollback finds its own again)
 
 
 def weights_stamp(model_dir: str | Path) -> list:
@@ -87,3 +88,12 @@ class RewriteCache:
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.data))
         tmp.replace(self.path)  # readers see the old file or the new one, never half of one
+
+
+def prune(root: str | Path, keep: int = KEEP_FILES) -> list[Path]:
+    """Delete all but the `keep` most recently written cache files (one per set of weights: a run
+    only reads its champion's); returns what was deleted."""
+    files = sorted(Path(root).glob("rewrites-*.json"), key=lambda f: f.stat().st_mtime_ns, reverse=True)
+    for f in files[keep:]:
+        f.unlink(missing_ok=True)
+    return files[keep:]
