@@ -222,9 +222,10 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
     try:
         run_prepare(cfg.source_file, cfg, Path(start), prefs_file, home.rewrites, parent, registry.latest_version(cfg),
                     gate_cache=helpfulness_cache(cfg))
-    except TrainingError as exc:
-        get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", exc.reason)
-        return {"prepared": False, "reason": exc.reason}
+    except Exception as exc:  # noqa: BLE001 - best effort: the version is already served
+        why = exc.reason if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {exc}"
+        get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", why)
+        return {"prepared": False, "reason": why}
     seconds = round(time.monotonic() - t0, 1)
     prune(home.rewrites)  # the files of earlier champions
     get_run_logger().info("prepared the next run's rewrites from v%d in %.0f s", parent, seconds)
