@@ -71,6 +71,38 @@ def test_the_champion_side_is_computed_once_for_every_dose(tiny_model_dir, tmp_p
     assert {"seconds_load", "seconds_drift", "seconds_judged"} <= set(second.metrics)
 
 
+def test_the_preference_measure_is_a_contrast_with_the_champions_own_answers():
+    from clawflow.policy.preference_probe import contrast
+
+    # learned the preference: the teacher's answers likelier, its own old ones less likely
+    assert contrast([-2.0, -2.0], [-1.0, -1.5], [-1.0, -1.0], [-1.2, -1.4])["pref_gain"] == pytest.approx(1.05)
+    # only surer of everything it says (or a teacher that shows nothing new): both move alike, ~0
+    m = contrast([-2.0, -1.0], [-1.5, -0.5], [-1.5, -1.0], [-1.0, -0.5])
+    assert m == {"pref_gain": pytest.approx(0.0), "pref_gain_taught": pytest.approx(0.5),
+                 "pref_gain_plain": pytest.approx(0.5)}
+
+
+def test_judged_learning_needs_enough_turns_moving_toward_their_judgments():
+    from clawflow.policy.gate import judged_learning
+
+    g = SHIPPED
+    assert g.require_learning and g.judged_min_turns == 3  # what ships
+    moved = {"judged_pos": 2.0, "judged_neg": 2.0, "judged_pos_delta": 0.02, "judged_neg_delta": -0.05}
+    assert judged_learning(moved, g)
+    assert not judged_learning({**moved, "judged_pos": 1.0, "judged_neg": 1.0}, g)  # too few turns
+    assert not judged_learning({**moved, "judged_pos_delta": -0.05, "judged_neg_delta": -0.05}, g)  # no direction
+
+
+def test_a_run_with_nothing_to_measure_is_rejected_before_any_model_loads(tmp_path):
+    """The shipped `require_learning`: no standing preference and no held-out judged turns, so
+    nothing the candidate learned can be measured: rejected (the champion stays), at no cost."""
+    from clawflow.policy.gate import evaluate_doses
+
+    v = evaluate_doses(SHIPPED, str(tmp_path / "no-such-candidate"), str(tmp_path / "no-such-champion"),
+                       tmp_path / "work", judged=[], taught="")
+    assert not v.passed and v.dose is None and "nothing it learned can be measured" in v.reason
+
+
 def test_nan_weights_are_rejected_without_probing(tiny_model_dir, tmp_path, gate):
     broken = variant(tiny_model_dir, tmp_path / "nan", lambda m: m.model.layers[0].mlp.up_proj.weight.fill_(float("nan")))
     assert nonfinite_tensors(broken) == ["model.layers.0.mlp.up_proj.weight"]

@@ -152,9 +152,10 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
 
     taught, g = list(kept.data["strengths"].values())[0]["taught"], cfg.gate
     assert g.enabled and taught
-    found = P.cached_answers(tmp_path / "gate", tiny_model_dir, P.load_prompts(g.preference_prompts), taught,
-                             g.preference_max_tokens, lambda: pytest.fail("the teacher's answers were not prepared"))
-    assert len(found) == len(P.load_prompts(g.preference_prompts))
+    for text in (taught, ""):  # the teacher's answers, and the champion's plain ones
+        found = P.cached_answers(tmp_path / "gate", tiny_model_dir, P.load_prompts(g.preference_prompts), text,
+                                 g.preference_max_tokens, lambda: pytest.fail("the gate's answers were not prepared"))
+        assert len(found) == len(P.load_prompts(g.preference_prompts))
     assert RewriteCache(cache_dir, tmp_path, cfg.train).data["replies"] == {}  # other weights: nothing
 
     out = tmp_path / "next-run"

@@ -281,13 +281,19 @@ class GateConfig(_Strict):
     judged_probes: int = Field(16, ge=0)  # held-out turns scored per sign, newest first
     judged_margin: float = Field(0.1, ge=0.0)  # nats/token a good reply's likelihood may fall (a bad one's rise)
     judged_min_turns: int = Field(3, ge=1)  # fewer held-out turns of a sign: that sign is not checked
+    # Promote only what measurably learned: with standing preferences the preference measure must
+    # pass (`min_preference_gain`); without any, the held-out judged turns must move toward their
+    # judgments by as much (`judged_min_turns` of them at least), else the candidate is rejected and
+    # the champion stays. Off: a candidate that loses nothing is promoted.
+    require_learning: bool = False
     max_probe_tokens: int = Field(1024, ge=2)  # prompt + reply tokens per judged turn (prompt cut from the left)
     helpfulness: HelpfulnessGateConfig = Field(default_factory=HelpfulnessGateConfig)
     # The dose (policy/dose.py): the candidate is measured at these strengths, strongest first (the
     # adapter or the weights interpolated toward the champion's), and promoted at the strongest that
     # passes every check and, when the user has standing preferences, makes the teacher's answers to
     # held-out prompts (`preference_prompts`, default configs/eval/preference_prompts.yaml) more
-    # likely than the champion does by more than `min_preference_gain` nats/token. [1.0]: all or nothing.
+    # likely than the champion does, beyond what it does for the champion's own plain answers, by
+    # more than `min_preference_gain` nats/token (policy/preference_probe.py). [1.0]: all or nothing.
     doses: list[float] = Field(default_factory=lambda: [1.0], min_length=1)
     min_preference_gain: float = Field(0.0, ge=0.0)  # nats/token the preference measure must pass at a dose
     preference_prompts: Path | None = None  # held-out prompts of the preference measure (None: configs/eval/preference_prompts.yaml)

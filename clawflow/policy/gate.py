@@ -86,6 +86,14 @@ def judged_verdict(m: dict[str, float], margin: float, min_turns: int = 1) -> st
     return None
 
 
+def judged_learning(m: dict[str, float], gate: GateConfig) -> bool:
+    """With nothing standing to measure: did the candidate move toward the held-out judgments (good
+    replies likelier, bad ones less likely, by more than `min_preference_gain` nats/token)? Pure."""
+    if m.get("judged_pos", 0) + m.get("judged_neg", 0) < gate.judged_min_turns:
+        return False
+    return m["judged_pos_delta"] - m["judged_neg_delta"] > gate.min_preference_gain
+
+
 def load_pair(champion_dir: str, candidate_dir: str):  # tests and benches: both models at once
     """(tokenizer, champion, candidate); a LoRA adapter directory is loaded onto its base, merged."""
     from clawflow.helpfulness import load_model
@@ -295,14 +303,21 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
 
     per: dict[float, dict[str, float]] = {}
     pref = None
+    if gate.enabled and gate.require_learning and not taught and len(scorable(judged)) < gate.judged_min_turns:
+        m = {"dose": gate.doses[0], "judged_turns": float(len(scorable(judged)))}
+        return DoseVerdict(False, f"nothing it learned can be measured: no standing preference, and "
+                                  f"{len(scorable(judged))} held-out judged turns (fewer than {gate.judged_min_turns})",
+                           None, candidate_dir, m, {gate.doses[0]: m})
     champion = Champion(champion_dir) if gate.enabled else None
     if taught and gate.enabled:
         t0 = time.monotonic()
         champ, tok = champion.model, champion.tok
-        prompts = P.load_prompts(gate.preference_prompts)
-        answers = P.cached_answers(cache_dir, champion_dir, prompts, taught, gate.preference_max_tokens,
-                                   lambda: P.teacher_answers(champ, tok, prompts, taught, gate.preference_max_tokens))
-        pref = (tok, prompts, answers, P.answer_loglik(champ, tok, prompts, answers), time.monotonic() - t0)
+        prompts, budget = P.load_prompts(gate.preference_prompts), gate.preference_max_tokens
+        answers = {k: P.cached_answers(cache_dir, champion_dir, prompts, t, budget,
+                                       lambda t=t: P.teacher_answers(champ, tok, prompts, t, budget))
+                   for k, t in (("taught", taught), ("plain", ""))}
+        champ_lp = {k: P.answer_loglik(champ, tok, prompts, a) for k, a in answers.items()}
+        pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
     last: GateResult | None = None
     for dose in gate.doses:
         path = candidate_dir if dose == 1.0 else str(write_dosed(candidate_dir, champion_dir, dose,
@@ -315,16 +330,24 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
             t0 = time.monotonic()
             tok, prompts, answers, champ_lp, teacher_s = pref
             cand, _ = load_model(path)
-            m["pref_gain"] = P.gain(champ_lp, P.answer_loglik(cand, tok, prompts, answers))
+            cand_lp = {k: P.answer_loglik(cand, tok, prompts, a) for k, a in answers.items()}
+            m.update(P.contrast(champ_lp["taught"], cand_lp["taught"], champ_lp["plain"], cand_lp["plain"]))
             m["seconds_preference"] = time.monotonic() - t0 + teacher_s
-            pref = (*pref[:4], 0.0)  # the teacher's side is counted once, with the first dose
+            pref = (*pref[:4], 0.0)  # the teachers' side is counted once, with the first dose
             del cand
             if not m["pref_gain"] > gate.min_preference_gain:
                 last = GateResult(False, f"the preference measure is {m['pref_gain']:+.4f} nats/token at dose "
-                                         f"{dose:g}, not past the champion's (+{gate.min_preference_gain})", m)
+                                         f"{dose:g} (teacher's answers {m['pref_gain_taught']:+.4f}, its own "
+                                         f"{m['pref_gain_plain']:+.4f}), not past the champion's "
+                                         f"(+{gate.min_preference_gain})", m)
                 break
         r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion)
         m.update(r.metrics)
+        if r.passed and gate.require_learning and pref is None and not judged_learning(m, gate):
+            last = GateResult(False, f"nothing learned on the held-out judged turns at dose {dose:g}: replies "
+                                     f"judged good {m['judged_pos_delta']:+.4f}, bad {m['judged_neg_delta']:+.4f} "
+                                     f"nats/token (needs good − bad > {gate.min_preference_gain})", m)
+            break
         if r.passed:
             said = f"; preference {m['pref_gain']:+.4f} nats/token" if "pref_gain" in m else ""
             return DoseVerdict(True, f"dose {dose:g}: {r.reason}{said}", dose, path, m, per)

@@ -1,11 +1,14 @@
 """The gate's preference measure, with no checker of the preference (it cannot know "≤ 25 words").
 
 The teacher (the champion with the user's standing preferences in its system prompt) answers
-held-out general prompts (configs/eval/preference_prompts.yaml, never trained on); the measure is
-how much more likely a policy makes those answers from the plain prompt than the champion does, in
-nats per token. A candidate that learned the preference finds the preferring answers likelier; one
-that learned nothing scores ~0; one that moved the other way scores below 0. The teacher's answers
-are generated once per (champion, preferences) and kept in the gate's cache.
+held-out general prompts (configs/eval/preference_prompts.yaml, never trained on), and so does the
+champion from the plain prompt. The measure is how much more likely a policy makes the teacher's
+answers than the champion does, minus the same for the champion's own plain answers, in nats per
+token: a contrast, like DPO's implicit reward margin. A candidate that learned the preference finds
+the preferring answers likelier and its old ones less likely; one that only grew surer of its own
+answers (training on rewrites a teacher that ignores the preference wrote, i.e. its own) moves
+both alike and scores ~0; so does one whose teacher cannot show the preference at all. Both sets
+of answers are generated once per (champion, preferences) and kept in the gate's cache.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ def gain(champion: list[float], candidate: list[float]) -> float:
     return sum(k - c for c, k in zip(champion, candidate)) / len(champion) if champion else 0.0
 
 
+def contrast(champion_taught: list[float], candidate_taught: list[float], champion_plain: list[float],
+             candidate_plain: list[float]) -> dict[str, float]:
+    """The preference measure: the gain on the teacher's answers minus the gain on the champion's
+    plain answers (each `gain`), with both parts. Pure."""
+    taught, plain = gain(champion_taught, candidate_taught), gain(champion_plain, candidate_plain)
+    return {"pref_gain": taught - plain, "pref_gain_taught": taught, "pref_gain_plain": plain}
+
+
 def load_prompts(path: str | Path | None = None) -> list[str]:
     from clawflow.train.prompts import load_prompts as load
 
@@ -33,11 +44,13 @@ def load_prompts(path: str | Path | None = None) -> list[str]:
 
 
 def teacher_answers(model, tok, prompts: list[str], taught: str, max_new_tokens: int) -> list[list[int]]:
-    """The preference-conditioned policy's greedy answers (token ids) to `prompts`."""
+    """The preference-conditioned policy's greedy answers (token ids) to `prompts`; with `taught`
+    empty, the plain policy's."""
     from clawflow.train.rewrite import eos_token_ids, generate_rewrites
-    from clawflow.train.teacher import teacher_prompt_ids
+    from clawflow.train.teacher import chat_prompt_ids, teacher_prompt_ids
 
-    hinted = [teacher_prompt_ids(tok, [{"role": "user", "content": p}], taught, in_system=True) for p in prompts]
+    hinted = [teacher_prompt_ids(tok, [{"role": "user", "content": p}], taught, in_system=True) if taught
+              else chat_prompt_ids(tok, [{"role": "user", "content": p}]) for p in prompts]
     return generate_rewrites(model, hinted, max_new_tokens, eos_token_ids(model), tok.pad_token_id or 0, batch_size=16)
 
 

@@ -101,7 +101,8 @@ class Recipe:
 
     def prepare_gate(self, taught: str) -> None:
         """The gate's preference measure for a candidate of the next run needs the teacher's answers
-        (these weights with `taught` in the system prompt): written into the gate's cache now."""
+        (these weights with `taught` in the system prompt) and their plain ones: written into the
+        gate's cache now."""
         from clawflow.helpfulness import load_model
         from clawflow.policy import preference_probe as P
 
@@ -110,12 +111,17 @@ class Recipe:
             return
         t0, prompts = time.monotonic(), P.load_prompts(gate.preference_prompts)
 
-        def answers():
-            model, tok = load_model(str(self.start_dir))  # as the gate loads the champion
-            return P.teacher_answers(model, tok, prompts, taught, gate.preference_max_tokens)
+        loaded = []
 
-        P.cached_answers(self.args.gate_cache, str(self.start_dir), prompts, taught, gate.preference_max_tokens,
-                         answers)
+        def answers(text: str):
+            if not loaded:
+                loaded.append(load_model(str(self.start_dir)))  # as the gate loads the champion
+            model, tok = loaded[0]
+            return P.teacher_answers(model, tok, prompts, text, gate.preference_max_tokens)
+
+        for t in (taught, ""):  # the teacher's answers and the champion's plain ones (policy/preference_probe.py)
+            P.cached_answers(self.args.gate_cache, str(self.start_dir), prompts, t, gate.preference_max_tokens,
+                             lambda t=t: answers(t))
         self._log(f"clawflow.train: prepared the gate's teacher answers in {time.monotonic() - t0:.1f} s")
 
     def load_and_rewrite(self):
