@@ -127,7 +127,8 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
            "policy_version": 0}
     batch = tmp_path / "samples.parquet"
     pq.write_table(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), batch)
-    prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy.", "Answer in at most 20 words."]}]
+    # wordings a random model answers under with something (not degenerate: train/rewrite_choice.py)
+    prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy!"]}]
     pfile = tmp_path / "prefs.json"
     pfile.write_text(json.dumps(prefs))
     qfile = tmp_path / "questions.yaml"
@@ -170,3 +171,15 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
     assert metrics["steps"] >= 1
     # the run added its own rewrite (the corrected turn) to what the next run from these weights finds
     assert len(RewriteCache(cache_dir, tiny_model_dir, cfg.train).data["replies"]) == 7
+
+    # a later correction brings a new wording of the same preference: the general prompts' and
+    # rehearsal answers written for it are still reused (they are kept under the preference's id)
+    prefs[0]["variants"] = ["Too wordy."]  # the only wording left: the teacher reads it
+    pfile.write_text(json.dumps(prefs))
+    launch.run_training(cfg_path, cfg, Path(tiny_model_dir), batch, tmp_path / "third-run", timeout_s=300,
+                        preferences=pfile, cache_dir=cache_dir, broad_seed=7)
+    log = (tmp_path / "third-run.log").read_text()
+    assert "preference strengths measured before" not in log  # a new wording: measured again
+    assert "the teacher reads 'Too wordy.'" in log
+    assert "6 rewrites written before with these weights, reused" in log
+    assert "rewrote 1 replies" in log  # the corrected turn reads the new words: written again

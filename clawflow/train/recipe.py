@@ -84,6 +84,7 @@ class Recipe:
         self.preferences: list[dict] = getattr(args, "preferences_list", None) or []
         self.dropped: set[int] = set()  # items of preferences dropped for this run
         self.pref_report: dict | None = None
+        self.taught_ids: list[str] = []  # the standing preferences the teacher reads (rewrite_cache keys)
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -208,7 +209,7 @@ class Recipe:
                 self.use_strongest_hint(generator(), missing, tok)
             if missing:
                 reused = {it.index: r for it in missing if kept is not None
-                          and (r := kept.reply(it.teacher_prompt, it.prompt)) is not None}
+                          and (r := kept.reply(self.teacher_key(it), it.prompt)) is not None}
                 reused = D.broadcast_from_rank0(reused)
                 if reused:
                     done.update(reused)
@@ -225,7 +226,7 @@ class Recipe:
                 replies = D.broadcast_from_rank0(replies)
                 done.update(zip((it.index for it in missing), replies))
                 if kept is not None:
-                    kept.add_replies(((it.teacher_prompt, it.prompt), r) for it, r in zip(missing, replies))
+                    kept.add_replies(((self.teacher_key(it), it.prompt), r) for it, r in zip(missing, replies))
                 self._log(f"clawflow.train: rewrote {len(missing)} replies (corrected turns, rehearsal, general "
                           f"prompts) with "
                           f"hints in {time.monotonic() - t0:.1f} s (mean {sum(map(len, replies)) / len(replies):.0f} "
@@ -253,6 +254,15 @@ class Recipe:
             raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
         self.total_steps = len(self.plan) * self.cfg.epochs
+
+    def teacher_key(self, it: Item):
+        """What a rewrite is kept under across runs (train/rewrite_cache.py): a general prompt's or a
+        rehearsal question's, under the ids of the standing preferences its teacher read (a stronger
+        wording of the same preference keeps it); any other, under its hinted prompt."""
+        if self.taught_ids and (it.broad or it.facts):
+            return {"preferences": self.taught_ids, "facts": list(it.facts), "system": it.broad or
+                    self.cfg.rewrite_hint == "system"}
+        return it.teacher_prompt
 
     def use_strongest_hint(self, model, items: list[Item], tok) -> None:
         """`train.rewrite_hints: strongest`: every rewrite's prompt rebuilt with the run's strongest hint
@@ -304,6 +314,9 @@ class Recipe:
                 if kept is not None:
                     kept.add_preference_report(key, report)
         self.pref_report = self.cache["preferences"] = report = D.broadcast_from_rank0(report)
+        off = {d["pref_id"] for d in report["dropped"]}
+        read = [p["pref_id"] for p in report["preferences"] if p["pref_id"] not in off]  # strongest first
+        self.taught_ids = sorted(read[: self.cfg.max_preferences]) if report["taught"] else []
         self._log("clawflow.train: preference strengths " + json.dumps({k[:40]: round(v, 3) for k, v in
                                                                          report["strengths"].items()}))
         for d in report["dropped"]:

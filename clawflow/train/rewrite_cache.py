@@ -2,7 +2,10 @@
 
 What the hinted policy writes for a prompt depends only on the weights that write it, the prompt
 pair (hinted, plain) and the rewrite settings; the strength of a preference's wording only on the
-weights, the wordings and those settings. So a run reuses what was computed for the same weights
+weights, the wordings and those settings. A general prompt or rehearsal question answered for the
+standing preferences is kept under the preferences' ids rather than their words: when a later
+correction brings a stronger wording of the same preference, the answers written for the earlier
+one still show it, and are reused for one run while the prepare step writes new ones. So a run reuses what was computed for the same weights
 before: above all what the prepare step (`recipe --prepare`, run by the flow right after a
 promotion, while the user talks) wrote for the next run's general prompts and rehearsal. A run
 whose preferences or champion changed since finds nothing to reuse and computes as before.
@@ -60,17 +63,19 @@ class RewriteCache:
             return {"replies": {}, "strengths": {}}
 
     @staticmethod
-    def item_key(teacher_prompt: list[int], prompt: list[int]) -> str:
-        return _digest([list(teacher_prompt), list(prompt)])
+    def item_key(teacher, prompt: list[int]) -> str:
+        """`teacher`: what the reply was written from (the hinted prompt's ids, or any JSON-able
+        description of it, see `Recipe.teacher_key`)."""
+        return _digest([teacher if isinstance(teacher, (str, dict)) else list(teacher), list(prompt)])
 
-    def reply(self, teacher_prompt: list[int], prompt: list[int]) -> list[int] | None:
-        found = self.data["replies"].get(self.item_key(teacher_prompt, prompt))
+    def reply(self, teacher, prompt: list[int]) -> list[int] | None:
+        found = self.data["replies"].get(self.item_key(teacher, prompt))
         return list(found) if found is not None else None
 
     def add_replies(self, pairs) -> None:
-        """`pairs`: ((hinted prompt, plain prompt), reply tokens); written at once."""
-        for (hinted, plain), reply in pairs:
-            self.data["replies"][self.item_key(hinted, plain)] = list(reply)
+        """`pairs`: ((teacher, plain prompt), reply tokens); written at once."""
+        for (teacher, plain), reply in pairs:
+            self.data["replies"][self.item_key(teacher, plain)] = list(reply)
         self._write()
 
     def preference_report(self, preferences) -> dict | None:
