@@ -218,14 +218,9 @@ def cache_key(model_dir: str | Path, questions: list[Question], max_new_tokens: 
     """What the replies depend on: the checkpoint's real path and its weight files' mtimes (an
     adapter's base's too), the prompts and the token budget. Facts and thresholds only affect
     scoring, which is redone from the cached replies."""
-    d = Path(model_dir).resolve()
-    dirs = [d]
-    if (d / "adapter_config.json").is_file():
-        from clawflow.policy.loader import adapter_base
+    from clawflow.policy.loader import weights_stamp
 
-        dirs.append(adapter_base(d).resolve())
-    stamp = [(str(x), f.name, f.stat().st_mtime_ns) for x in dirs for f in sorted(x.glob("*.safetensors"))]
-    blob = json.dumps([stamp, [q.prompt for q in questions], max_new_tokens])
+    blob = json.dumps([weights_stamp(model_dir), [q.prompt for q in questions], max_new_tokens])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

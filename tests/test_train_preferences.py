@@ -57,16 +57,21 @@ def test_broad_items_are_a_fresh_sample_per_run_and_read_the_preferences(tiny_mo
     assert len(load_prompts()) >= 300  # the shipped set
 
 
-@pytest.mark.slow  # one torchrun run
-def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_model_dir, tmp_path):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+def _one_corrected_turn(model_dir: str, tmp_path: Path, hint: str) -> Path:
+    """A batch of one turn judged −1 with `hint`, as the flow writes it."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
     messages, _ = CONVERSATIONS[0]
     row = {"turn_id": "t0", "prompt_token_ids": encode(tok, messages), "response_logprobs": [-1.0] * 4,
-           "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4, "reward": -1.0,
-           "hint": "No, it was in 1945.", "messages": json.dumps(messages), "tools": None, "group_id": None,
-           "policy_version": 0}
+           "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4, "reward": -1.0, "hint": hint,
+           "messages": json.dumps(messages), "tools": None, "group_id": None, "policy_version": 0}
     batch = tmp_path / "samples.parquet"
     pq.write_table(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), batch)
+    return batch
+
+
+@pytest.mark.slow  # one torchrun run
+def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_model_dir, tmp_path):
+    batch = _one_corrected_turn(tiny_model_dir, tmp_path, "No, it was in 1945.")
     prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy.", "Answer in at most 20 words."]},
              {"pref_id": "p-2", "text": "Always end your reply with a question.",
               "variants": ["Always end your reply with a question."]}]
@@ -119,14 +124,7 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
     the same prompts, reuses them instead of generating; other weights find nothing."""
     from clawflow.train.rewrite_cache import RewriteCache
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    messages, _ = CONVERSATIONS[0]
-    row = {"turn_id": "t0", "prompt_token_ids": encode(tok, messages), "response_logprobs": [-1.0] * 4,
-           "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4, "reward": -1.0,
-           "hint": "Too wordy.", "messages": json.dumps(messages), "tools": None, "group_id": None,
-           "policy_version": 0}
-    batch = tmp_path / "samples.parquet"
-    pq.write_table(pa.Table.from_pylist([row], schema=SAMPLE_SCHEMA), batch)
+    batch = _one_corrected_turn(tiny_model_dir, tmp_path, "Too wordy.")
     # wordings a random model answers under with something (not degenerate: train/rewrite_choice.py)
     prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy!"]}]
     pfile = tmp_path / "prefs.json"

@@ -313,9 +313,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         t0 = time.monotonic()
         champ, tok = champion.model, champion.tok
         prompts, budget = P.load_prompts(gate.preference_prompts), gate.preference_max_tokens
-        answers = {k: P.cached_answers(cache_dir, champion_dir, prompts, t, budget,
-                                       lambda t=t: P.teacher_answers(champ, tok, prompts, t, budget))
-                   for k, t in (("taught", taught), ("plain", ""))}
+        answers = P.answer_sets(cache_dir, champion_dir, prompts, taught, budget, lambda: (champ, tok))
         champ_lp = {k: P.answer_loglik(champ, tok, prompts, a) for k, a in answers.items()}
         pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
     last: GateResult | None = None

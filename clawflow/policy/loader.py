@@ -34,6 +34,16 @@ def adapter_base(adapter_dir: str | Path) -> Path:
     return Path(base)
 
 
+def weights_stamp(model_dir: str | Path) -> list:
+    """What names a checkpoint's weights for a cache key: its real path and its weight files' names
+    and mtimes, an adapter's base's too (a checkpoint directory is written once, then renamed in)."""
+    d = Path(model_dir).resolve()
+    dirs = [d]
+    if (d / ADAPTER_CONFIG).is_file():
+        dirs.append(adapter_base(d).resolve())
+    return [(str(x), f.name, f.stat().st_mtime_ns) for x in dirs for f in sorted(x.glob("*.safetensors"))]
+
+
 def weights_dir(path: str | Path) -> Path:
     """The directory holding the full weights (and the tokenizer) of `path`: an adapter's base, else `path`."""
     path = Path(path)

@@ -89,9 +89,7 @@ def run_training(
     out.parent.mkdir(parents=True, exist_ok=True)
     node = cfg.train.node_rank
     log_path = out.parent / (f"{out.name}.log" if node == 0 else f"{out.name}.node{node}.log")
-    env = dict(os.environ)
-    pkg_root = str(Path(clawflow.__file__).resolve().parents[1])  # importable in the children
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env = _child_env()
     cmd = torchrun_command(Path(config_path).resolve(), cfg, Path(base).resolve(), Path(batch).resolve(), out,
                            parent_version, _model_ref(frozen_base), stop_after,
                            Path(preferences).resolve() if preferences else None,
@@ -124,9 +122,7 @@ def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, c
     cache_dir = Path(cache_dir).resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
     log_path = cache_dir / "prepare.log"
-    env = dict(os.environ)
-    pkg_root = str(Path(clawflow.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env = _child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "clawflow.train.recipe", "--prepare", "--config", str(Path(config_path).resolve()),
            "--base", str(Path(base).resolve()), "--preferences", str(Path(preferences).resolve()),
@@ -145,6 +141,14 @@ def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, c
     if rc != 0:
         raise TrainingError(f"prepare failed (exit {rc}): {_reason(log_path, cfg)}", log_path, rc)
     return log_path
+
+
+def _child_env() -> dict:
+    """This environment, with clawflow importable in the children."""
+    env = dict(os.environ)
+    pkg_root = str(Path(clawflow.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _model_ref(ref: str | Path | None) -> str | None:

@@ -111,18 +111,8 @@ class Recipe:
         if not gate.enabled:
             return
         t0, prompts = time.monotonic(), P.load_prompts(gate.preference_prompts)
-
-        loaded = []
-
-        def answers(text: str):
-            if not loaded:
-                loaded.append(load_model(str(self.start_dir)))  # as the gate loads the champion
-            model, tok = loaded[0]
-            return P.teacher_answers(model, tok, prompts, text, gate.preference_max_tokens)
-
-        for t in (taught, ""):  # the teacher's answers and the champion's plain ones (policy/preference_probe.py)
-            P.cached_answers(self.args.gate_cache, str(self.start_dir), prompts, t, gate.preference_max_tokens,
-                             lambda t=t: answers(t))
+        P.answer_sets(self.args.gate_cache, str(self.start_dir), prompts, taught, gate.preference_max_tokens,
+                      lambda: load_model(str(self.start_dir)))  # as the gate loads the champion
         self._log(f"clawflow.train: prepared the gate's teacher answers in {time.monotonic() - t0:.1f} s")
 
     def load_and_rewrite(self):

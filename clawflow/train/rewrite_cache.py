@@ -21,17 +21,9 @@ import os
 from pathlib import Path
 
 from clawflow.config import TrainConfig
+from clawflow.policy.loader import weights_stamp
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 KEEP_FILES = 4  # the champion's, and a few recent others (a rollback finds its own again)
-
-
-def weights_stamp(model_dir: str | Path) -> list:
-    """The directory and its weight files' names, sizes and mtimes: a checkpoint directory is written
-    once (train/checkpoint.py renames it into place), so this names the weights."""
-    d = Path(model_dir).resolve()
-    files = sorted(f for f in d.iterdir() if f.suffix in WEIGHT_SUFFIXES) if d.is_dir() else []
-    return [str(d), [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]]
 
 
 def rewrite_settings(cfg: TrainConfig) -> dict:
