@@ -130,7 +130,7 @@ def test_defaults_named_in_prose_are_the_shipped_ones(shipped):
 def test_the_prose_check_catches_a_wrong_default(shipped):
     text = ("RL by default: `train.objective: rl`, with `train.kl_beta: 0` and `gate.max_kl: 0.25`; "
             "`train.lora: {r: 8}`, `train.no_such_field: 1`, `train.nprocs=8`; right: `train.rewrite_samples: 4`, "
-            "`store.fsync: group`, `gate.helpfulness.margin: 0.05`, `train.autocast: off`, `train.nproc=8`."
+            "`store.fsync: group`, `gate.helpfulness.margin: 0.03`, `train.autocast: off`, `train.nproc=8`."
             "\n```yaml\n`train.lr: 1`\n```\n")
     out = mismatches(text, shipped)
     assert len(out) == 6, out
