@@ -35,6 +35,10 @@ COPY Makefile pyproject.toml constraints.txt README.md ./
 RUN python -m venv .venv \
     && .venv/bin/pip install -q --upgrade pip \
     && .venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+# ...and every other dependency, installed against empty packages: this layer too is reused until
+# pyproject.toml or constraints.txt change; `make install` below then finds them all in place
+RUN mkdir -p clawflow flows tasks && touch clawflow/__init__.py flows/__init__.py tasks/__init__.py \
+    && .venv/bin/pip install -q -c constraints.txt -e ".[test]"
 COPY clawflow ./clawflow
 COPY flows ./flows
 COPY tasks ./tasks

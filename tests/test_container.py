@@ -11,6 +11,7 @@ the reason; it skips only where apt-get cannot install podman (not Debian-like, 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -159,21 +160,35 @@ def ensure_podman() -> None:
                      f"{f', still missing {missing}' if missing else ''}: {said}")
 
 
-def _debian_base(env: dict[str, str], tmp_path: Path, tag: str) -> None:
+BASE_PACKAGES = "python3,python3-venv,python-is-python3,make,git,ca-certificates"
+
+
+def base_tag(mirror: str, packages: str = BASE_PACKAGES) -> str:
+    """The Debian base's tag: a digest of what debootstrap is given, so a base made from other
+    packages or another archive is never taken for this one."""
+    digest = hashlib.sha256(f"bookworm {mirror} {packages}".encode()).hexdigest()[:12]
+    return f"localhost/clawflow-test-base:bookworm-{digest}"
+
+
+def _debian_base(env: dict[str, str], tmp_path: Path) -> str:
     """A Debian bookworm base with the Python the Dockerfile needs, made with debootstrap from the
     machine's Debian archive: the default `python:3.11-slim` lives in a container registry, which
-    this machine cannot reach (the Dockerfile's BASE_IMAGE argument exists for such bases)."""
+    this machine cannot reach (the Dockerfile's BASE_IMAGE argument exists for such bases). Made
+    once per machine and kept (~80 s of debootstrap, like an install): its tag names its inputs."""
     mirror = _debian_mirror()
     if mirror is None:
         cannot_build("no Debian archive found in /etc/apt (sources.list.d/*.sources or sources.list) for debootstrap")
+    tag = base_tag(mirror)
+    if subprocess.run(["podman", "image", "exists", tag], env=env).returncode == 0:
+        return tag
     rootfs = tmp_path / "rootfs"
-    subprocess.run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,python-is-python3,"
-                    "make,git,ca-certificates", "bookworm", str(rootfs), mirror],
+    subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(rootfs), mirror],
                    check=True, timeout=900, capture_output=True)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     _podman(env, "import", "-", tag, stdin=tar.stdout, capture_output=True)
     assert tar.wait() == 0
     shutil.rmtree(rootfs)  # 400 MB, and other tests scan the temp tree
+    return tag
 
 
 @pytest.mark.parametrize("release, like", [
@@ -201,9 +216,9 @@ def test_image_builds_and_serves_a_chat(tmp_path):
     info = subprocess.run(["podman", "info"], env=env, capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
         cannot_build(f"podman is installed but `podman info` failed: {info.stderr.strip()[-1500:]}")
-    base, tag, name = "localhost/clawflow-test-base:bookworm", "localhost/clawflow-test:latest", f"clawflow-test-{os.getpid()}"
+    tag, name = "localhost/clawflow-test:latest", f"clawflow-test-{os.getpid()}"
     try:
-        _debian_base(env, tmp_path, base)
+        base = _debian_base(env, tmp_path)
         build = ["build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}", "-t", tag]
         pip = _pip_paths()
         if "find-links" in pip:
@@ -238,6 +253,7 @@ def test_image_builds_and_serves_a_chat(tmp_path):
                     and {"wal", "shards"} & set(p.relative_to(data / "clawflow").parts)]
         assert recorded, sorted(str(p) for p in data.rglob("*"))[:40]
     finally:
+        # The image stays (tag and layers): the next build reuses every layer above the first
+        # changed input, as `docker build` does for a user; the images it replaced go
         subprocess.run(["podman", "rm", "-f", name], env=env, capture_output=True)
-        subprocess.run(["podman", "rmi", "-f", tag, base], env=env, capture_output=True)
         subprocess.run(["podman", "image", "prune", "-f"], env=env, capture_output=True)
