@@ -1,0 +1,38 @@
+"""bench/pref_ranking.py's pure parts: the gate's per-dose measures read back from a version's tag,
+a registered dose rebuilt at another dose exactly as the gate built it, and the rank correlation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.pref_ranking import gate_measures, rescale, spearman
+from clawflow.policy.dose import interpolate
+
+
+def test_gate_measures_read_the_doses_tag():
+    tag = "1: pref_gain=0.0167, help_facts_rate=0.53; 0.75: pref_gain=-2e-03, help_facts_rate=0.54"
+    assert gate_measures(tag) == {1.0: 0.0167, 0.75: -0.002}
+    assert gate_measures("") == {} and gate_measures("1: help_facts_rate=0.5") == {}
+
+
+@pytest.mark.parametrize("champion_has_adapter", [True, False])
+def test_a_registered_dose_rebuilds_every_other_dose_as_the_gate_did(champion_has_adapter):
+    g = torch.Generator().manual_seed(0)
+    cand = {"x.lora_A.weight": torch.randn(4, 8, generator=g), "x.lora_B.weight": torch.randn(8, 4, generator=g),
+            "steps": torch.tensor(3)}
+    champ = {"x.lora_A.weight": torch.randn(4, 8, generator=g), "x.lora_B.weight": torch.randn(8, 4, generator=g)} \
+        if champion_has_adapter else {}
+    registered = interpolate(champ, cand, 0.5)  # promoted at dose 0.5
+    for dose in (1.0, 0.75, 0.25):
+        rebuilt, expected = rescale(champ, registered, 0.5, dose), interpolate(champ, cand, dose)
+        for name in expected:
+            assert torch.allclose(rebuilt[name].float(), expected[name].float(), atol=1e-5), (dose, name)
+    assert not torch.allclose(rescale(champ, registered, 0.5, 1.0)["x.lora_B.weight"], registered["x.lora_B.weight"])
+
+
+def test_spearman_ranks_with_ties():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [0, 0, 1]) == pytest.approx(0.866, abs=1e-3)  # ties share their mean rank
+    assert spearman([1, 1, 1], [1, 2, 3]) != spearman([1, 1, 1], [1, 2, 3])  # nan: no order to compare
