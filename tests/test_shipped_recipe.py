@@ -337,7 +337,10 @@ def test_shipped_train_and_gate_sections_run_end_to_end(tmp_path, tiny_model_dir
     tags = version["tags"]
     assert tags["gate_reason"] == reason and tags["doses"] and "dose" in tags
     tried = [float(d.split(":")[0]) for d in tags["doses"].split("; ")]
-    assert tried and tried == g.doses[: len(tried)], tags["doses"]  # strongest first, in the shipped order
+    on_grid = [d for d in tried if d in g.doses]
+    assert on_grid and on_grid == g.doses[: len(on_grid)], tags["doses"]  # strongest first, in the shipped order
+    assert tried[: len(on_grid)] == on_grid and len(tried) - len(on_grid) <= g.dose_refinements  # then bisections
+    assert all(min(on_grid) < d < 1.0 for d in tried[len(on_grid):]), tags["doses"]
     assert all("pref_gain=" in d for d in tags["doses"].split("; "))  # the preference measure, at every dose
     champion = registry.champion(cfg)[0]
     run_metrics = MlflowClient(cfg.tracking_uri).get_run(result["mlflow_run"]).data.metrics

@@ -295,6 +295,9 @@ class GateConfig(_Strict):
     # likely than the champion does, beyond what it does for the champion's own plain answers, by
     # more than `min_preference_gain` nats/token (policy/preference_probe.py). [1.0]: all or nothing.
     doses: list[float] = Field(default_factory=lambda: [1.0], min_length=1)
+    # bisections between the strongest dose that moved the preference too little and the weakest
+    # stronger one that failed another check (policy/gate.py `next_dose`); each measures one more dose
+    dose_refinements: int = Field(0, ge=0, le=4)
     min_preference_gain: float = Field(0.0, ge=0.0)  # nats/token the preference measure must pass at a dose
     preference_prompts: Path | None = None  # held-out prompts of the preference measure (None: configs/eval/preference_prompts.yaml)
     preference_max_tokens: int = Field(64, ge=1)  # greedy tokens per teacher answer

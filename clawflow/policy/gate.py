@@ -276,6 +276,29 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
                             f"{held} held-out judged turns within ±{gate.judged_margin}{helped}", m)
 
 
+WEAK, FAILED = "weak", "failed"  # a dose's outcome: learned too little to measure; failed another check
+
+
+def next_dose(grid: Sequence[float], tried: Sequence[tuple[float, str]], refinements: int) -> float | None:
+    """The dose the gate measures next, or None when the search is over (a dose that passed ends it
+    before this is asked). The grid is walked strongest first until a dose is WEAK: a weaker one
+    moves the preference less, so the rest of the grid cannot pass. Between the strongest WEAK dose
+    and the weakest dose above it that FAILED another check (facts, drift), up to `refinements`
+    bisections follow: the preference measure and the facts both move about linearly with the dose
+    (terse v4: +0.171, +0.134, +0.091, +0.045 at 1, 0.75, 0.5, 0.25), so a dose between a grid
+    point that cost too many facts and one that moved too little can pass both. Pure."""
+    done = {d for d, _ in tried}
+    weak = [d for d, outcome in tried if outcome == WEAK]
+    if not weak:
+        rest = [d for d in grid if d not in done]
+        return rest[0] if rest else None
+    lo = max(weak)
+    failed_above = [d for d, outcome in tried if outcome == FAILED and d > lo]
+    if not failed_above or sum(d not in grid for d in done) >= refinements:
+        return None
+    return round((min(failed_above) + lo) / 2, 6)
+
+
 @dataclass
 class DoseVerdict:
     """The gate's verdict over doses: the strongest that passed (None: rejected at every dose tried),
@@ -297,7 +320,8 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
     passes. With standing preferences (`taught`, what the teacher read), a dose must also make the
     teacher's answers to held-out prompts likelier than the champion does by more than
     `gate.min_preference_gain` (policy/preference_probe.py); a weaker dose moves them less, so the
-    first dose that does not ends the search."""
+    first dose that does not ends the grid, and `gate.dose_refinements` bisections then look between
+    it and the weakest dose that failed another check (`next_dose`)."""
     from clawflow.policy import preference_probe as P
     from clawflow.policy.dose import write_dosed
 
@@ -317,7 +341,8 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         champ_lp = {k: P.answer_loglik(champ, tok, prompts, a) for k, a in answers.items()}
         pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
     last: GateResult | None = None
-    for dose in gate.doses:
+    tried: list[tuple[float, str]] = []
+    while (dose := next_dose(gate.doses, tried, gate.dose_refinements)) is not None:
         path = candidate_dir if dose == 1.0 else str(write_dosed(candidate_dir, champion_dir, dose,
                                                                  Path(work_dir) / f"dose-{dose:g}"))
         m: dict[str, float] = {"dose": dose}
@@ -338,18 +363,21 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
                                          f"{dose:g} (teacher's answers {m['pref_gain_taught']:+.4f}, its own "
                                          f"{m['pref_gain_plain']:+.4f}), not past the champion's "
                                          f"(+{gate.min_preference_gain})", m)
-                break
+                tried.append((dose, WEAK))
+                continue
         r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion)
         m.update(r.metrics)
         if r.passed and gate.require_learning and pref is None and not judged_learning(m, gate):
             last = GateResult(False, f"nothing learned on the held-out judged turns at dose {dose:g}: replies "
                                      f"judged good {m['judged_pos_delta']:+.4f}, bad {m['judged_neg_delta']:+.4f} "
                                      f"nats/token (needs good − bad > {gate.min_preference_gain})", m)
-            break
+            tried.append((dose, WEAK))
+            continue
         if r.passed:
             said = f"; preference {m['pref_gain']:+.4f} nats/token" if "pref_gain" in m else ""
             return DoseVerdict(True, f"dose {dose:g}: {r.reason}{said}", dose, path, m, per)
         last = r
+        tried.append((dose, FAILED))
     tried = ", ".join(f"{d:g}" for d in per)
     reason = (last.reason if last else "no dose") + (f" (doses tried: {tried})" if len(per) > 1 else "")
     return DoseVerdict(False, reason, None, candidate_dir, per[gate.doses[0]], per)
