@@ -378,6 +378,6 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
             return DoseVerdict(True, f"dose {dose:g}: {r.reason}{said}", dose, path, m, per)
         last = r
         tried.append((dose, FAILED))
-    tried = ", ".join(f"{d:g}" for d in per)
-    reason = (last.reason if last else "no dose") + (f" (doses tried: {tried})" if len(per) > 1 else "")
+    listed = ", ".join(f"{d:g}" for d in per)
+    reason = (last.reason if last else "no dose") + (f" (doses tried: {listed})" if len(per) > 1 else "")
     return DoseVerdict(False, reason, None, candidate_dir, per[gate.doses[0]], per)
