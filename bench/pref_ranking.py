@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
 
 from clawflow.config import Config, load_config
 
@@ -32,23 +29,6 @@ def gate_measures(doses_tag: str) -> dict[float, float]:
     """{dose: preference measure} from a version's `doses` tag ("1: pref_gain=0.2, help_facts_rate=0.5;
     0.75: ..."). Pure."""
     return {float(d): float(g) for d, g in DOSES_TAG.findall(doses_tag or "")}
-
-
-def rescale(champion: dict[str, torch.Tensor], registered: dict[str, torch.Tensor],
-            registered_dose: float, dose: float) -> dict[str, torch.Tensor]:
-    """The candidate at `dose`, from its checkpoint registered at `registered_dose` (the gate's
-    interpolation is linear per tensor: champion + d·(candidate − champion)). A tensor the champion
-    lacks is a LoRA B from zero, else the registered value itself (policy/dose.py). Pure."""
-    out = {}
-    for name, reg in registered.items():
-        champ = champion.get(name)
-        if champ is None or champ.shape != reg.shape:
-            champ = torch.zeros_like(reg) if "lora_B" in name else reg
-        if not reg.is_floating_point():
-            out[name] = reg
-            continue
-        out[name] = (champ.float() + dose / registered_dose * (reg.float() - champ.float())).to(reg.dtype).contiguous()
-    return out
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -75,26 +55,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def dosed_dir(version_dir: str, parent_dir: str, registered_dose: float, dose: float, out: Path) -> str:
     """A checkpoint directory of the candidate at `dose` (the registered one when it is that dose)."""
-    from safetensors.torch import save_file
-
-    from clawflow.policy.dose import ADAPTER_FILE, _weights, is_adapter
+    from clawflow.policy.dose import write_dosed
 
     if dose == registered_dose:
         return version_dir
-    adapter = is_adapter(version_dir)
-    champion = _weights(Path(parent_dir)) if adapter == is_adapter(parent_dir) else {}
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(version_dir, out)
-    if adapter:
-        save_file(rescale(champion, _weights(Path(version_dir)), registered_dose, dose), str(out / ADAPTER_FILE),
-                  metadata={"format": "pt"})
-    else:
-        from safetensors.torch import load_file
-
-        for f in sorted(Path(version_dir).glob("*.safetensors")):
-            save_file(rescale(champion, load_file(str(f)), registered_dose, dose), str(out / f.name),
-                      metadata={"format": "pt"})
-    return str(out)
+    return str(write_dosed(version_dir, parent_dir, dose, out, written_at=registered_dose))
 
 
 def hit_rate_of(model_dir: str, persona, prompts: list[str], max_tokens: int) -> tuple[float, float]:

@@ -48,3 +48,8 @@ def test_write_dosed_adapter_dir(tmp_path):
     assert torch.allclose(w["m.lora_B.weight"], torch.full((3, 2), 1.5))
     assert (out / "tokenizer.json").is_file() and (out / "adapter_config.json").is_file()
     assert torch.allclose(load_file(str(cand / ADAPTER_FILE))["m.lora_B.weight"], torch.full((3, 2), 2.0))  # untouched
+    # a checkpoint written at 0.5, rebuilt at 0.75 (bench/pref_ranking.py): what the gate wrote at 0.75
+    again = load_file(str(write_dosed(out, champ, 0.75, tmp_path / "again", written_at=0.5) / ADAPTER_FILE))
+    assert torch.allclose(again["m.lora_B.weight"], torch.full((3, 2), 1.75))
+    with pytest.raises(ValueError, match="doses must be in"):
+        write_dosed(out, champ, 0.75, tmp_path / "bad", written_at=0.0)

@@ -1,13 +1,13 @@
 """bench/pref_ranking.py's pure parts: the gate's per-dose measures read back from a version's tag,
-a registered dose rebuilt at another dose exactly as the gate built it, and the rank correlation."""
+a registered dose rebuilt at another dose exactly as the gate built it (policy/dose.py `blend`), and the rank correlation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.pref_ranking import gate_measures, rescale, spearman
-from clawflow.policy.dose import interpolate
+from bench.pref_ranking import gate_measures, spearman
+from clawflow.policy.dose import blend, interpolate
 
 
 def test_gate_measures_read_the_doses_tag():
@@ -25,10 +25,10 @@ def test_a_registered_dose_rebuilds_every_other_dose_as_the_gate_did(champion_ha
         if champion_has_adapter else {}
     registered = interpolate(champ, cand, 0.5)  # promoted at dose 0.5
     for dose in (1.0, 0.75, 0.25):
-        rebuilt, expected = rescale(champ, registered, 0.5, dose), interpolate(champ, cand, dose)
+        rebuilt, expected = blend(champ, registered, dose / 0.5), interpolate(champ, cand, dose)
         for name in expected:
             assert torch.allclose(rebuilt[name].float(), expected[name].float(), atol=1e-5), (dose, name)
-    assert not torch.allclose(rescale(champ, registered, 0.5, 1.0)["x.lora_B.weight"], registered["x.lora_B.weight"])
+    assert not torch.allclose(blend(champ, registered, 2.0)["x.lora_B.weight"], registered["x.lora_B.weight"])
 
 
 def test_spearman_ranks_with_ties():

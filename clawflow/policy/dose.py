@@ -28,6 +28,13 @@ def interpolate(champion: dict[str, torch.Tensor], candidate: dict[str, torch.Te
     candidate's own value. Pure."""
     if not 0.0 < dose <= 1.0:
         raise ValueError(f"dose must be in (0, 1], got {dose}")
+    return blend(champion, candidate, dose)
+
+
+def blend(champion: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
+          factor: float) -> dict[str, torch.Tensor]:
+    """`interpolate` for any factor: above 1 it extrapolates, which rebuilds a candidate from its
+    checkpoint written at a dose (bench/pref_ranking.py). Pure."""
     out = {}
     for name, cand in candidate.items():
         champ = champion.get(name)
@@ -36,7 +43,7 @@ def interpolate(champion: dict[str, torch.Tensor], candidate: dict[str, torch.Te
         if not cand.is_floating_point():
             out[name] = cand
             continue
-        mixed = champ.float() + dose * (cand.float() - champ.float())
+        mixed = champ.float() + factor * (cand.float() - champ.float())
         out[name] = mixed.to(cand.dtype).contiguous()
     return out
 
@@ -55,9 +62,13 @@ def is_adapter(model_dir: str | Path) -> bool:
     return (Path(model_dir) / "adapter_config.json").is_file()
 
 
-def write_dosed(candidate_dir: str | Path, champion_dir: str | Path, dose: float, out: str | Path) -> Path:
+def write_dosed(candidate_dir: str | Path, champion_dir: str | Path, dose: float, out: str | Path,
+                written_at: float = 1.0) -> Path:
     """A copy of the candidate checkpoint at `out` with its weights at `dose` toward the champion.
-    An adapter against a full-weight champion (the base) scales the adapter alone."""
+    An adapter against a full-weight champion (the base) scales the adapter alone. `written_at`: the
+    dose `candidate_dir` itself holds (a promoted version's checkpoint), rebuilt to `dose` exactly."""
+    if not 0.0 < dose <= 1.0 or not 0.0 < written_at <= 1.0:
+        raise ValueError(f"doses must be in (0, 1], got {dose} and {written_at}")
     from safetensors.torch import save_file
 
     cand_dir, champ_dir, out = Path(candidate_dir), Path(champion_dir), Path(out)
@@ -67,12 +78,12 @@ def write_dosed(candidate_dir: str | Path, champion_dir: str | Path, dose: float
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(cand_dir, tmp)
     if adapter:
-        save_file(interpolate(champion, _weights(cand_dir), dose), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
+        save_file(blend(champion, _weights(cand_dir), dose / written_at), str(tmp / ADAPTER_FILE), metadata={"format": "pt"})
     else:
         for f in sorted(cand_dir.glob("*.safetensors")):
             from safetensors.torch import load_file
 
-            save_file(interpolate(champion, load_file(str(f)), dose), str(tmp / f.name), metadata={"format": "pt"})
+            save_file(blend(champion, load_file(str(f)), dose / written_at), str(tmp / f.name), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
