@@ -199,6 +199,21 @@ def test_sequence_logprobs_matches_plain_log_softmax_in_chunks():
     assert torch.allclose(g_chunked, g_plain, atol=1e-6)
 
 
+
+def test_sequence_logprobs_of_k_targets_per_position_match_log_softmax_with_its_gradient():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 5, 40, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 5, 3))
+    targets[0, 0] = torch.tensor([7, 7, 9])  # a repeated id gets both gradients
+    w = torch.rand(2, 5, 3)
+    plain = torch.log_softmax(logits, -1).gather(-1, targets)
+    (g_plain,) = torch.autograd.grad((plain * w).sum(), logits)
+    got = sequence_logprobs(logits, targets, chunk_tokens=2)
+    assert got.shape == (2, 5, 3) and torch.allclose(got, plain, atol=1e-6)
+    (g_got,) = torch.autograd.grad((sequence_logprobs(logits, targets, chunk_tokens=2) * w).sum(), logits)
+    assert torch.allclose(g_got, g_plain, atol=1e-6)
+
+
 # -- the objective as configured ------------------------------------------------------------------------
 def _objective_batch():
     # two sequences, 2 tokens each; seq 0: reward +1, no hint; seq 1: reward 0, hint (teacher - old = +0.5)

@@ -4,6 +4,7 @@ Tiny random Llama with SmolLM2's tokenizer; the rewrite is checked token for tok
 independent greedy generation."""
 
 import json
+import math
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clawflow.config import TrainConfig
+from clawflow.policy.logprobs import response_logprobs, response_topk
 from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.train.advantages import negative_scaled
 from clawflow.train.objective import Objective
@@ -49,6 +51,40 @@ def test_objective_trains_rewritten_rows_by_weighted_nll_without_ratio_or_tis():
     assert stats["sft_tok"] == 2 and stats["rl_tok"] == 3
     row1, _ = Objective.from_config(TrainConfig(objective="rl", tis_cap=2.0))(lp[1:], {k: v[1:] for k, v in b.items()})
     assert float(num) == pytest.approx(float(sft) + float(row1), rel=1e-5)
+
+
+def test_topk_distillation_is_cross_entropy_to_the_teachers_renormalized_topk():
+    obj = Objective.from_config(TrainConfig(objective="distill", distill_topk=2, distill_weight=0.5))
+    lp = torch.log(torch.tensor([[0.5, 0.25], [0.2, 0.4]]))  # [B=2, R=2] the sampled tokens
+    student = torch.log(torch.tensor([[[0.5, 0.3], [0.25, 0.6]], [[0.1, 0.1], [0.1, 0.1]]]))  # [B, R, K]
+    teacher = torch.log(torch.tensor([[[0.6, 0.2], [0.5, 0.5]], [[0.9, 0.1], [0.9, 0.1]]]))
+    b = {"mask": torch.ones(2, 2), "old": lp, "rollout": lp, "teacher": torch.zeros(2, 2), "ref": lp,
+         "rl_adv": torch.tensor([0.0, 1.0]), "has_hint": torch.tensor([False, False]), "weight": torch.ones(2),
+         "rewrite": torch.tensor([True, False]), "topk_student": student, "topk_teacher": teacher}
+    num, stats = obj(lp, b)
+    # row 0: teacher renormalized to (0.75, 0.25) then (0.5, 0.5); seq mean of 0.5 * cross-entropy
+    ce = [-(0.75 * math.log(0.5) + 0.25 * math.log(0.3)), -(0.5 * math.log(0.25) + 0.5 * math.log(0.6))]
+    row1, _ = Objective.from_config(TrainConfig(objective="rl"))(lp[1:], {k: v[1:] for k, v in b.items()})
+    assert float(num) == pytest.approx(0.5 * sum(ce) / 2 + float(row1), rel=1e-5)
+    # without top-k the same rewritten row learns its sampled tokens
+    plain, _ = Objective.from_config(TrainConfig(objective="distill", distill_weight=0.5))(lp, b)
+    assert float(plain) == pytest.approx(0.5 * -(math.log(0.5) + math.log(0.25)) / 2 + float(row1), rel=1e-5)
+
+
+def test_response_topk_is_the_models_likeliest_next_tokens(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts, replies = [[1, 5, 9], [4]], [[7, 8], [3, 2, 6]]
+    with torch.inference_mode():
+        ids, lps = response_topk(model, prompts, replies, 4)
+        for b, (p, r) in enumerate(zip(prompts, replies)):
+            full = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1], -1)
+            top = full.topk(4, dim=-1)
+            assert torch.equal(ids[b, : len(r)], top.indices)
+            assert torch.allclose(lps[b, : len(r)], top.values, atol=1e-5)
+        # the same forward scores any ids at those positions, the reply's own first
+        lp, cand = response_logprobs(model, prompts, replies, candidates=ids)
+    assert torch.allclose(cand, lps, atol=1e-5)
+    assert torch.allclose(lp, response_logprobs(model, prompts, replies), atol=1e-6)
 
 
 def test_negative_weight_scales_only_negative_advantages():

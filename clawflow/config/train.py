@@ -36,6 +36,10 @@ class TrainConfig(_Strict):
     rl_weight: float = 1.0  # scale of the RL term
     opd_weight: float = 1.0  # scale of the OPD term
     distill_weight: float = Field(1.0, gt=0.0)  # per-token NLL weight of a rewritten reply
+    # A rewritten reply's target at each position: 0 = its sampled token (SFT); k = the teacher's k
+    # likeliest tokens weighted by its renormalized probabilities (context distillation on the
+    # teacher's distribution, Askell et al. 2021 / Snell et al. 2022): train/loss.py `topk_distill_per_token`
+    distill_topk: int = Field(0, ge=0, le=256)
     # scales A < 0 (replies judged bad); on one reply per prompt a −1 only says "not this", and
     # pushing sampled replies down is what drove SmolLM2 into non-answers (issue #15)
     negative_weight: float = Field(1.0, ge=0.0)

@@ -16,9 +16,38 @@ from torch import Tensor
 
 
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0,
-                      device: torch.device | None = None) -> torch.Tensor:
+                      device: torch.device | None = None, candidates: Tensor | None = None):
     """[B, R] float32 log pi(response token | prompt, earlier response tokens), R the longest
-    response; row b's values past len(responses[b]) are padding. `device`: the model's when None."""
+    response; row b's values past len(responses[b]) are padding. `device`: the model's when None.
+
+    `candidates` [B, R, K] token ids: also return log pi of each of them at the same positions
+    ([B, R, K], from the same forward and log-softmax), as a pair (distillation on a teacher's top-k).
+    """
+    logits, targets = _response_logits(model, prompts, responses, pad_id, device)
+    if candidates is None:
+        return sequence_logprobs(logits, targets)
+    both = sequence_logprobs(logits, torch.cat([targets[..., None], candidates.to(targets.device)], dim=-1))
+    return both[..., 0], both[..., 1:]
+
+
+def response_topk(model, prompts: list[list[int]], responses: list[list[int]], k: int, pad_id: int = 0,
+                  device: torch.device | None = None, chunk_tokens: int = 32) -> tuple[Tensor, Tensor]:
+    """The model's k likeliest next tokens at each response position: (ids [B, R, k] long,
+    log-probs [B, R, k] float32), by the same forward as `response_logprobs`. Call it under
+    `torch.inference_mode()`."""
+    logits, _ = _response_logits(model, prompts, responses, pad_id, device)
+    B, T, _ = logits.shape
+    ids = torch.zeros((B, T, k), dtype=torch.long, device=logits.device)
+    lps = torch.zeros((B, T, k), dtype=torch.float32, device=logits.device)
+    for b, c in _chunks(logits.shape, chunk_tokens):
+        x = logits[b, c].float()
+        top = x.topk(k, dim=-1)
+        ids[b, c], lps[b, c] = top.indices, top.values - torch.logsumexp(x, dim=-1, keepdim=True)
+    return ids, lps
+
+
+def _response_logits(model, prompts, responses, pad_id, device) -> tuple[Tensor, Tensor]:
+    """(logits [B, R, V] predicting each response token, targets [B, R]) of one padded forward."""
     if device is None:
         device = next(model.parameters()).device
     b = collate(prompts, responses, pad_id)
@@ -26,7 +55,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     mask = None if bool(b["attention_mask"].all()) else b["attention_mask"].to(device)
     out = model(input_ids=b["input_ids"].to(device), attention_mask=mask,
                 position_ids=b["position_ids"].to(device), logits_to_keep=b["keep"], use_cache=False)
-    return sequence_logprobs(out.logits[:, :-1], b["targets"].to(device))
+    return out.logits[:, :-1], b["targets"].to(device)
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
@@ -60,7 +89,8 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
 
 
 def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 32) -> Tensor:
-    """log softmax(logits)[b, t, targets[b, t]] in float32.  logits: [B, T, V], targets: [B, T].
+    """log softmax(logits)[b, t, targets[b, t]] in float32.  logits: [B, T, V], targets: [B, T],
+    or [B, T, K] for K tokens per position (then [B, T, K] out).
 
     Computed as logits[target] - logsumexp(logits), `chunk_tokens` positions of one row at a time, so
     no float32 [B, T, V] temporary exists (logits may be bf16 under autocast). Its own backward
@@ -72,7 +102,9 @@ def sequence_logprobs(logits: Tensor, targets: Tensor, chunk_tokens: int = 32) -
     against 234 / 410 ms with whole rows.
     """
     if logits.shape[0] == 0 or logits.shape[1] == 0:
-        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+        return logits.new_zeros(targets.shape, dtype=torch.float32)
+    if targets.dim() == 2:
+        return _TokenLogprobs.apply(logits, targets[..., None], chunk_tokens).squeeze(-1)
     return _TokenLogprobs.apply(logits, targets, chunk_tokens)
 
 
@@ -88,17 +120,17 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
         for b, c in _chunks(logits.shape, chunk_tokens):
             lse[b, c] = torch.logsumexp(logits[b, c].float(), dim=-1)
-        picked = logits.gather(-1, targets[..., None]).squeeze(-1).float()
+        picked = logits.gather(-1, targets).float()  # targets [B, T, K]
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk_tokens = chunk_tokens
-        return picked - lse
+        return picked - lse[..., None]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, targets, lse = ctx.saved_tensors
         out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # contiguous even for a view
         for b, c in _chunks(logits.shape, ctx.chunk_tokens):
-            g = grad[b, c, None].float()  # [n, 1]
-            d = torch.exp(logits[b, c].float() - lse[b, c, None]).mul_(-g)  # -g * softmax
-            out[b, c] = d.scatter_add_(-1, targets[b, c, None], g)  # + g at the target
+            g = grad[b, c].float()  # [n, K]
+            d = torch.exp(logits[b, c].float() - lse[b, c, None]).mul_(-g.sum(-1, keepdim=True))  # -sum g * softmax
+            out[b, c] = d.scatter_add_(-1, targets[b, c], g)  # + g at each target
         return out, None, None

@@ -72,6 +72,16 @@ def sft_per_token(logprobs: Tensor, weight: float = 1.0) -> Tensor:
     return -weight * logprobs
 
 
+def topk_distill_per_token(student_lp: Tensor, teacher_lp: Tensor, weight: float = 1.0) -> Tensor:
+    """Per-token cross-entropy to the teacher's top-k: -weight * sum_k p~_k log q(id_k), with p~
+    the teacher's k probabilities renormalized to sum to 1.  student_lp, teacher_lp: [B, T, K] (log
+    q and log p at the teacher's k likeliest ids) -> [B, T]. Where the teacher is sure, this is the
+    sampled token's NLL; where it hesitates (the fact, not the style) the student keeps its spread
+    instead of learning one sample's pick."""
+    p = torch.softmax(teacher_lp.detach().float(), dim=-1)
+    return -weight * (p * student_lp).sum(dim=-1)
+
+
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(pi || ref) per sampled token, >= 0, zero off-mask.  [B, T]."""
     d = torch.where(mask.to(torch.bool), ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))

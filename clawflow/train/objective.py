@@ -17,7 +17,8 @@ from torch import Tensor
 from clawflow.config import TrainConfig
 from clawflow.train.advantages import (binary_rl_advantages, combined_advantages, group_normalized_rewards,
                                        negative_scaled, opd_advantages, staleness_weights)
-from clawflow.train.loss import AGGREGATIONS, Aggregation, k3_kl, ppo_clip_per_token, sft_per_token, tis_weights
+from clawflow.train.loss import (AGGREGATIONS, Aggregation, k3_kl, ppo_clip_per_token, sft_per_token, tis_weights,
+                                 topk_distill_per_token)
 
 # objective name -> which of (RL, OPD, distillation of rewritten replies) it uses
 OBJECTIVES: dict[str, tuple[bool, bool, bool]] = {"rl": (True, False, False), "opd": (False, True, False),
@@ -40,6 +41,7 @@ class Objective:
     opd_clip: float | None
     aggregate: Aggregation
     distill_weight: float = 0.0
+    distill_topk: int = 0
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> "Objective":
@@ -47,7 +49,8 @@ class Objective:
         return cls(rl_weight=cfg.rl_weight if use_rl else 0.0, opd_weight=cfg.opd_weight if use_opd else 0.0,
                    eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, tis_cap=cfg.tis_cap,
                    kl_beta=cfg.kl_beta, opd_clip=cfg.opd_clip, aggregate=AGGREGATIONS[cfg.aggregation],
-                   distill_weight=cfg.distill_weight if use_distill else 0.0)
+                   distill_weight=cfg.distill_weight if use_distill else 0.0,
+                   distill_topk=cfg.distill_topk if use_distill else 0)
 
     @property
     def needs_teacher(self) -> bool:
@@ -84,7 +87,8 @@ class Objective:
 
         b: mask, old, rollout, teacher, ref [B, R]; rl_adv, has_hint, weight [B]; rewrite [B] (optional):
         rows holding a rewritten reply, trained by plain NLL (they were never sampled by pi_old, so
-        neither the PPO ratio nor TIS applies to them).
+        neither the PPO ratio nor TIS applies to them); with `distill_topk`, topk_student (log pi, with
+        its gradient) and topk_teacher [B, R, K]: those rows learn the teacher's top-k instead.
         """
         mask = self.token_mask(b)
         a_rl = binary_rl_advantages(b["rl_adv"], mask)
@@ -97,7 +101,9 @@ class Objective:
         sft = mask.to(torch.bool) & b["rewrite"].to(torch.bool)[:, None] if "rewrite" in b \
             else torch.zeros_like(mask, dtype=torch.bool)
         if self.rewrites:
-            pg = torch.where(sft, sft_per_token(logprobs, self.distill_weight), pg)
+            target = topk_distill_per_token(b["topk_student"], b["topk_teacher"], self.distill_weight) \
+                if self.distill_topk and "topk_student" in b else sft_per_token(logprobs, self.distill_weight)
+            pg = torch.where(sft, target, pg)
         pg = pg * b["weight"][:, None]
         kl = k3_kl(logprobs, b["ref"], mask)
         pg_num, _ = self.aggregate(pg, mask)

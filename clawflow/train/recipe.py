@@ -60,7 +60,7 @@ from clawflow.train.plan import (InputError, Item, collate_items, load_items, ne
 from clawflow.train.rewrite import eos_token_ids, generate_rewrites
 from clawflow.train.rewrite_cache import RewriteCache
 from clawflow.train.rewrite_choice import best_of_n, degenerate_hints, strongest_hint, usable_rewrite
-from clawflow.train.scoring import cached, dummy_forward, score_items
+from clawflow.train.scoring import cached, cached_topk, dummy_forward, score_items, topk_items
 from clawflow.train.teacher import teacher_prompt_ids
 
 EXIT_INTERRUPTED = 75
@@ -79,7 +79,7 @@ class Recipe:
         self.plan = plan_steps(items, cfg.step_tokens, cfg.seed)
         self.total_steps = len(self.plan) * cfg.epochs
         self.history: list[dict] = []
-        self.cache: dict[str, dict[int, torch.Tensor]] = {"old": {}, "teacher": {}, "ref": {}}
+        self.cache: dict[str, dict] = {"old": {}, "teacher": {}, "ref": {}, "topk": {}}
         self.start_step, self.stop_requested, self.started = 0, False, time.monotonic()
         self.preferences: list[dict] = getattr(args, "preferences_list", None) or []
         self.dropped: set[int] = set()  # items of preferences dropped for this run
@@ -358,6 +358,10 @@ class Recipe:
                                               adapter_off=by_base and lora)
             if self.cfg.kl_beta:
                 self.cache["ref"] = score(base, todo=mine, hinted=False, adapter_off=lora)
+            if self.objective.distill_topk:  # the start-of-run policy reading the hint: what a rewrite learns
+                self.cache["topk"] = topk_items(self.model, self.items, [i for i in mine if self.items[i].rewrite],
+                                                self.objective.distill_topk, self.cfg.micro_batch, self.pad_id,
+                                                self.device)
         self.model.train()
 
     def _frozen_base(self):
@@ -371,10 +375,14 @@ class Recipe:
     # -- one step --------------------------------------------------------------------------------
     def loss_step(self, b: dict, denominator: float) -> dict[str, float]:
         """Forward and backward one micro-batch; returns its summed stats."""
-        its = b["items"]
+        its, k = b["items"], self.objective.distill_topk
+        ids, teacher_topk = cached_topk(self.cache.get("topk", {}), its, k, b["mask"].shape[1]) if k else (None, None)
         with precision.autocast(self.bf16):
             lp = response_logprobs(self.model, [it.prompt for it in its], [it.response for it in its], self.pad_id,
-                                   self.device)  # [B, R]
+                                   self.device, candidates=ids)  # [B, R] (and [B, R, k])
+        if k:
+            lp, student_topk = lp
+            b.update(topk_student=student_topk, topk_teacher=teacher_topk)
         old = cached(self.cache["old"], its, lp)  # first step: the forward itself is pi_old
         for row, it in enumerate(its):
             self.cache["old"].setdefault(it.index, old[row, : len(it.response)].clone())

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from clawflow.policy.logprobs import response_logprobs
+from clawflow.policy.logprobs import response_logprobs, response_topk
 from clawflow.train import distributed as D
 from clawflow.train.plan import Item
 
@@ -43,6 +43,38 @@ def score_items(model, items: list[Item], todo: list[int], hinted: bool, micro_b
             for row, it in enumerate(its):
                 out[it.index] = lp[row, : len(it.response)].clone()
     return out
+
+
+@torch.no_grad()
+def topk_items(model, items: list[Item], todo: list[int], k: int, micro_batch: int, pad_id: int,
+               device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{item.index: (ids [R_i, k], log-probs [R_i, k])}: the teacher's k likeliest tokens at each
+    position of `items[todo]`'s replies, on their hint-augmented prompts (distillation's targets)."""
+    chunks = [todo[j : j + micro_batch] for j in range(0, len(todo), micro_batch)]
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for n in range(int(D.all_max([len(chunks)], device)[0])):
+        if n >= len(chunks):
+            dummy_forward(model, pad_id, device)
+            continue
+        its = [items[i] for i in chunks[n]]
+        ids, lps = response_topk(model, [it.teacher_prompt for it in its], [it.response for it in its], k, pad_id,
+                                 device)
+        for row, it in enumerate(its):
+            out[it.index] = (ids[row, : len(it.response)].cpu().clone(), lps[row, : len(it.response)].cpu().clone())
+    return out
+
+
+def cached_topk(cache: dict[int, tuple[torch.Tensor, torch.Tensor]], items: list[Item], k: int,
+                rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, R, k] ids, [B, R, k] teacher log-probs) of a micro-batch; zeros for items without targets
+    (their rows are not distilled, so the values only need to be finite)."""
+    ids = torch.zeros((len(items), rows, k), dtype=torch.long)
+    lps = torch.zeros((len(items), rows, k), dtype=torch.float32)
+    for row, it in enumerate(items):
+        if it.index in cache:
+            i, lp = cache[it.index]
+            ids[row, : len(i)], lps[row, : len(i)] = i, lp
+    return ids, lps
 
 
 def cached(cache: dict[int, torch.Tensor], items: list[Item], fallback: torch.Tensor) -> torch.Tensor:
