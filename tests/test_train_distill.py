@@ -17,7 +17,9 @@ from clawflow.policy.logprobs import response_logprobs, response_topk
 from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.train.advantages import negative_scaled
 from clawflow.train.objective import Objective
-from clawflow.train.rewrite import addresses, cut_at_eos
+from clawflow.train.plan import Item
+from clawflow.train.rewrite import addresses, adds_to, cut_at_eos
+from clawflow.train.rewrite_choice import usable_rewrite
 from clawflow.train.teacher import teacher_prompt_ids
 from tests.test_train_opd import encode, run
 
@@ -149,3 +151,26 @@ def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_mod
 ])
 def test_a_rewrite_must_still_answer_the_request(request_, reply, ok):
     assert addresses(request_, reply) is ok
+
+
+@pytest.mark.parametrize("request_, reply, ok", [
+    ("What is the main ingredient in ketchup?", "The main ingredient in ketchup is ketchup.", False),
+    ("What gas do humans need to breathe to live?", "Humans need to breathe to live.", False),
+    ("What do we call animals that eat only plants?", "Animals that eat only plants are called animals.", False),
+    ("What is 7 times 8?", "7 times 8 is 7 times 8.", False),
+    ("What is 7 times 8?", "7 times 8 is 56.", True),  # a number of its own
+    ("What is the chemical symbol for gold?", "It is Au.", True),  # two letters count
+    ("What is the capital of France?", "Paris.", True),
+])
+def test_a_rewrite_must_say_something_its_request_did_not(request_, reply, ok):
+    assert adds_to(request_, reply) is ok
+
+
+def test_a_rewrite_that_loops_or_restates_the_request_is_not_learned():
+    it = Item(index=0, prompt=[1], response=[2], rollout=[0.0], rl_adv=0.0, weight=1.0, teacher_prompt=[1],
+              rewrite=True, request="Which words rhyme with light?")
+    eos = {0}
+    assert usable_rewrite(it, [5, 6], "Bright, night and kite rhyme with light.", eos)
+    assert not usable_rewrite(it, [5, 6], "The words that rhyme with light are: " + "light, " * 12, eos)
+    assert not usable_rewrite(it, [5, 6], "Words rhyme with light.", eos)
+    assert not usable_rewrite(it, [0], "", eos)

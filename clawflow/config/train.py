@@ -44,6 +44,11 @@ class TrainConfig(_Strict):
     # pushing sampled replies down is what drove SmolLM2 into non-answers (issue #15)
     negative_weight: float = Field(1.0, ge=0.0)
     rewrite_max_tokens: int = Field(128, ge=1)  # longest rewritten reply
+    # Who writes the rewrites (and the top-k targets): `policy`, the start-of-run weights with the hint;
+    # `base`, the frozen base with it. A base teacher is the same every run, so a version's slips
+    # (a wrong fact, a loop) are never its successor's targets, and its rewrites are kept across
+    # versions (train/rewrite_cache.py keys them by the teacher's weights)
+    rewrite_teacher: Literal["policy", "base"] = "policy"
     rewrite_hint: Literal["user", "system"] = "system"  # where the rewriting policy reads the hint (train/teacher.py)
     # Best of n: the greedy rewrite and `rewrite_samples` sampled ones; the usable one chosen by
     # `rewrite_select` is learned (train/rewrite.py `choose`). 0: the greedy rewrite alone.

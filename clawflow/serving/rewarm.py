@@ -46,7 +46,9 @@ from clawflow.serving import fused_step
 from clawflow.serving.prefix_cache import Layers, PrefixCache
 
 SLICE_S = 0.25  # seconds a re-warm step aims at: what a request arriving mid-step waits at most
-YIELD_S = 0.5  # re-warm seconds a live request may wait behind, all steps together
+# re-warm seconds a live request may wait behind, all steps together: 0.5 put a turn sent 1 s into a
+# reload at 2.54 s against 2.19 s for the next turn (docs/performance.md run 5), over issue #28's 2.5 s
+YIELD_S = 0.25
 FIRST_CHUNK = 256  # tokens of a job's first chunk, before any was timed
 MAX_CHUNK = 2048
 # A step that stops between decoder layers keeps its chunks >= 128 tokens: a chunk's attention has a

@@ -177,7 +177,8 @@ class Recipe:
             self.pref_report = self.cache["preferences"]
             self.dropped = set(self.cache["dropped"])
         tok = tokenizer_for(self.base_dir)  # the one the plan used (train/plan.py), not loaded again
-        kept = RewriteCache(self.args.cache_dir, self.start_dir, self.cfg) \
+        by_base = self.cfg.rewrite_teacher == "base"
+        kept = RewriteCache(self.args.cache_dir, self.base_dir if by_base else self.start_dir, self.cfg) \
             if getattr(self.args, "cache_dir", None) and self.rank == 0 else None
         # generation is decode-bound: an adapter merged into a copy of its base (peft's unmerged LoRA
         # layers cost 1.2x a decode step) and, on CPU, the serving engine's packed fp32 Linears where
@@ -187,7 +188,8 @@ class Recipe:
         def generator():
             nonlocal gen, packed
             if gen is None:
-                gen = merged_copy(model)
+                gen = load_full_policy(self.base_dir, torch.float32).to(self.device).eval() if by_base \
+                    else merged_copy(model)
                 packed = self.device.type == "cpu" and pack_if_faster(gen)
             return gen
 
@@ -359,9 +361,11 @@ class Recipe:
             if self.cfg.kl_beta:
                 self.cache["ref"] = score(base, todo=mine, hinted=False, adapter_off=lora)
             if self.objective.distill_topk:  # the start-of-run policy reading the hint: what a rewrite learns
-                self.cache["topk"] = topk_items(self.model, self.items, [i for i in mine if self.items[i].rewrite],
-                                                self.objective.distill_topk, self.cfg.micro_batch, self.pad_id,
-                                                self.device)
+                by_base = self.cfg.rewrite_teacher == "base"
+                self.cache["topk"] = topk_items(self._frozen_base() if by_base else self.model, self.items,
+                                                [i for i in mine if self.items[i].rewrite], self.objective.distill_topk,
+                                                self.cfg.micro_batch, self.pad_id, self.device,
+                                                adapter_off=by_base and lora)
         self.model.train()
 
     def _frozen_base(self):

@@ -46,6 +46,24 @@ def addresses(request: str, reply: str) -> bool:
     return not asked or bool(asked & content_words(reply))
 
 
+# Words a reply can add without adding anything ("Popcorn is made from a type of food called popcorn.")
+_FILLER = frozenset("type types kind kinds sort called known thing things something way used use".split())
+_TERM = re.compile(r"[^\W_]{2,}|\d")
+
+
+def _terms(text: str) -> set[str]:
+    return {w.rstrip("s") for w in _TERM.findall(text.lower())} - _STOP - _FILLER
+
+
+def adds_to(request: str, reply: str) -> bool:
+    """Whether a reply says something its request did not: a word or number of its own, beyond
+    function words and filler ("Au" and "56" count). Learned from a 135M teacher, replies that
+    restate the question ("The main ingredient in ketchup is ketchup.", "Humans need to breathe to
+    live.") became the student's answers to questions it had answered right (terse v4,
+    docs/learning.md). Pure and lexical."""
+    return bool(_terms(reply) - _terms(request))
+
+
 def generate_rewrites(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
                       batch_size: int = 8) -> list[list[int]]:
     """Greedy replies to `prompts` (token ids), each ending with its EOS token when one was sampled."""

@@ -27,8 +27,9 @@ KEEP_FILES = 4  # the champion's, and a few recent others (a rollback finds its 
 
 
 def rewrite_settings(cfg: TrainConfig) -> dict:
-    """The train settings a rewrite's tokens depend on."""
-    return {k: v for k, v in cfg.model_dump().items() if k.startswith("rewrite_")} | {"seed": cfg.seed}
+    """The train settings a rewrite's tokens depend on (the teacher is the weights the cache is keyed by)."""
+    return {k: v for k, v in cfg.model_dump().items() if k.startswith("rewrite_") and k != "rewrite_teacher"} \
+        | {"seed": cfg.seed}
 
 
 def _digest(obj) -> str:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from clawflow.config import TrainConfig
-from clawflow.helpfulness import Question
+from clawflow.helpfulness import Question, loops
 from clawflow.policy.logprobs import response_logprobs
 from clawflow.train.plan import Item
 from clawflow.train.rehearsal import load_rehearsal
-from clawflow.train.rewrite import addresses, choose, eos_token_ids, generate_rewrites, hint_strength, sample_candidates
+from clawflow.train.rewrite import addresses, adds_to, choose, eos_token_ids, generate_rewrites, hint_strength, sample_candidates
 from clawflow.train.teacher import chat_prompt_ids, teacher_prompt_ids
 
 REWRITE_GROUP = 8  # prompts sampled together (each with 1 + train.rewrite_samples rows)
@@ -32,8 +32,11 @@ HINT_PROBES = 4  # rehearsal questions answered when hints are compared
 
 def usable_rewrite(it: Item, tokens: list[int], text: str, eos: set[int]) -> bool:
     """A rewrite (`tokens`, decoded `text`) is learned only if it says something, still answers the
-    request (train/rewrite.py) and, for a rehearsal question, still states its key fact (train/rehearsal.py)."""
+    request (train/rewrite.py), says something the request did not (`adds_to`), does not loop
+    (helpfulness.loops) and, for a rehearsal question, still states its key fact (train/rehearsal.py)."""
     if not any(t not in eos for t in tokens) or not addresses(it.request, text):
+        return False
+    if loops(text) or (it.request and not adds_to(it.request, text)):
         return False
     return not it.facts or Question(it.request, list(it.facts)).stated_in(text)
 

@@ -47,11 +47,17 @@ def score_items(model, items: list[Item], todo: list[int], hinted: bool, micro_b
 
 @torch.no_grad()
 def topk_items(model, items: list[Item], todo: list[int], k: int, micro_batch: int, pad_id: int,
-               device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+               device: torch.device, adapter_off: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """{item.index: (ids [R_i, k], log-probs [R_i, k])}: the teacher's k likeliest tokens at each
     position of `items[todo]`'s replies, on their hint-augmented prompts (distillation's targets)."""
     chunks = [todo[j : j + micro_batch] for j in range(0, len(todo), micro_batch)]
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with model.disable_adapter() if adapter_off else nullcontext():
+        _topk_chunks(model, items, chunks, k, pad_id, device, out)
+    return out
+
+
+def _topk_chunks(model, items, chunks, k, pad_id, device, out) -> None:
     for n in range(int(D.all_max([len(chunks)], device)[0])):
         if n >= len(chunks):
             dummy_forward(model, pad_id, device)
@@ -61,7 +67,6 @@ def topk_items(model, items: list[Item], todo: list[int], k: int, micro_batch: i
                                  device)
         for row, it in enumerate(its):
             out[it.index] = (ids[row, : len(it.response)].cpu().clone(), lps[row, : len(it.response)].cpu().clone())
-    return out
 
 
 def cached_topk(cache: dict[int, tuple[torch.Tensor, torch.Tensor]], items: list[Item], k: int,
