@@ -323,9 +323,12 @@ def test_shipped_train_and_gate_sections_run_end_to_end(tmp_path, tiny_model_dir
     steps = metrics["per_step"]
     assert steps and metrics["steps"] == len(steps) >= 2
     assert all(s["sft_tokens"] > 0 for s in steps)  # every step learns rewrites (distill)
-    # The KL reference really ran: at step 1 the weights are v2's, pi_old is the forward itself, and the
-    # reference is v2 with its adapter switched off; a missing reference would read 0 here.
-    assert steps[0]["kl"] > 1e-6, steps[0]
+    if t.kl_reference == "base":
+        # The KL reference really ran: at step 1 the weights are v2's, pi_old is the forward itself, and
+        # the reference is v2 with its adapter switched off; a missing reference would read 0 here.
+        assert steps[0]["kl"] > 1e-6, steps[0]
+    else:  # `start`: the reference is v2 itself (pi_old): 0 at the first step, then the run's own drift
+        assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and max(s["kl"] for s in steps[1:]) > 1e-6, steps
     for s in steps:  # and it is in the loss with the shipped weight
         assert s["loss"] == pytest.approx(s["pg_loss"] + t.kl_beta * s["kl"], rel=1e-5, abs=1e-7)
     kl_history = MlflowClient(cfg.tracking_uri).get_metric_history(result["mlflow_run"], "kl")

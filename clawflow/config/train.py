@@ -87,6 +87,9 @@ class TrainConfig(_Strict):
     dual_clip: float | None = Field(None, gt=1.0)  # dual-clip PPO (Ye et al. 2020), e.g. 3.0
     tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling vs rollout logprobs; None: off
     kl_beta: float = Field(0.0, ge=0.0)  # k3 KL to the frozen base; 0 never runs the base
+    # The KL's reference: `base`, the frozen base (the adapter switched off); `start`, the run's start
+    # weights (the champion): each run then moves from the version users have, not back toward the base
+    kl_reference: Literal["base", "start"] = "base"
     # loss mean per sequence, then over sequences; or over all tokens
     aggregation: Literal["seq_mean", "token_mean"] = "seq_mean"
     max_staleness: int | None = Field(None, ge=0)  # policy versions; None = no bound

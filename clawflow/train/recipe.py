@@ -351,14 +351,15 @@ class Recipe:
         self.model.eval()
         with precision.autocast(self.bf16):  # as the training forward computes them
             self.cache["old"] = score(self.model, todo=[i for i in mine if i not in first], hinted=False)
+            to_start = self.cfg.kl_reference == "start"
             base = self._frozen_base() if (self.objective.needs_teacher and self.cfg.teacher == "base") \
-                or self.cfg.kl_beta else None
+                or (self.cfg.kl_beta and not to_start) else None
             if self.objective.needs_teacher:
                 hinted = [i for i in mine if self.items[i].teacher_prompt]
                 by_base = self.cfg.teacher == "base"
                 self.cache["teacher"] = score(base if by_base else self.model, todo=hinted, hinted=True,
                                               adapter_off=by_base and lora)
-            if self.cfg.kl_beta:
+            if self.cfg.kl_beta and not to_start:  # `start`: the reference is pi_old, the fallback below
                 self.cache["ref"] = score(base, todo=mine, hinted=False, adapter_off=lora)
             if self.objective.distill_topk:  # the start-of-run policy reading the hint: what a rewrite learns
                 by_base = self.cfg.rewrite_teacher == "base"
