@@ -161,6 +161,7 @@ def test_a_rewrite_must_still_answer_the_request(request_, reply, ok):
     ("What is 7 times 8?", "7 times 8 is 56.", True),  # a number of its own
     ("What is the chemical symbol for gold?", "It is Au.", True),  # two letters count
     ("What is the capital of France?", "Paris.", True),
+    ("Can you do it?", "\n\n", True),  # nothing of its own to restate: not judged, as in `addresses`
 ])
 def test_a_rewrite_must_say_something_its_request_did_not(request_, reply, ok):
     assert adds_to(request_, reply) is ok

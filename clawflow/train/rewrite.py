@@ -60,8 +60,9 @@ def adds_to(request: str, reply: str) -> bool:
     function words and filler ("Au" and "56" count). Learned from a 135M teacher, replies that
     restate the question ("The main ingredient in ketchup is ketchup.", "Humans need to breathe to
     live.") became the student's answers to questions it had answered right (terse v4,
-    docs/learning.md). Pure and lexical."""
-    return bool(_terms(reply) - _terms(request))
+    docs/learning.md). Pure and lexical; as in `addresses`, a request with no words of its own passes."""
+    asked = _terms(request)
+    return not asked or bool(_terms(reply) - asked)
 
 
 def generate_rewrites(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
