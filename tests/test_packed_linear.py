@@ -108,6 +108,14 @@ def test_bf16_weights_are_packed_as_bf16(tiny_model_dir):
     model = bf16_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval())
     with torch.inference_mode():
         want = model(IDS).logits
+    if not packed_linear.can_pack(torch.bfloat16):  # e.g. an AVX2-only CPU: oneDNN's bf16 path raises
+        with pytest.raises(RuntimeError):
+            torch.ops.mkldnn._reorder_linear_weight(model.lm_head.weight.detach(), None)
+        assert pack_linears(model) == 0
+        assert all(type(m) is BF16Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+        with torch.inference_mode():
+            assert torch.equal(model(IDS).logits, want)
+        return
     assert pack_linears(model) > 0
     assert all(type(m) is PackedBF16Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
     with torch.inference_mode():
@@ -124,12 +132,28 @@ def test_bf16_weights_engine_packs_when_told(tiny_model_dir):
 
     engine = TorchEngine(tiny_model_dir, dtype="bf16-weights", prefix_cache_tokens=0, linear_kernel="onednn")
     try:
-        assert type(engine._policy.model.lm_head) is PackedBF16Linear
+        if packed_linear.can_pack(torch.bfloat16):
+            assert type(engine._policy.model.lm_head) is PackedBF16Linear and engine.linear_kernel == "onednn"
+        else:  # this CPU cannot: told onednn, it serves on aten and says so
+            assert type(engine._policy.model.lm_head) is not PackedBF16Linear and engine.linear_kernel == "aten"
         prompt = engine.encode_chat([{"role": "user", "content": "hi"}])
         g = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
         assert len(g.token_ids) >= 1 and all(lp <= 0 for lp in g.logprobs)
     finally:
         engine.close()
+
+
+def test_a_dtype_this_cpu_cannot_pack_stays_plain(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(packed_linear, "_can_pack", {torch.float32: False})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert pack_linears(model) == 0 and not any(type(m) is PackedLinear for m in model.modules())
+    engine = TorchEngine(tiny_model_dir, prefix_cache_tokens=0, linear_kernel="onednn")
+    try:
+        assert engine.linear_kernel == "aten" and type(engine._policy.model.lm_head) is not PackedLinear
+    finally:
+        engine.close()
+    monkeypatch.setattr(packed_linear, "_can_pack", {})
+    assert packed_linear.can_pack(torch.float32) == packed_linear.available()  # fp32 packs wherever oneDNN is built
 
 
 def test_pack_if_faster_packs_exactly_when_it_measures_a_gain(tiny_model_dir, monkeypatch):

@@ -14,7 +14,9 @@ training and anything else take the plain path. A weight changed in place throug
 packed again (a write through `.data` bypasses the version counter: unpack first). The copy costs
 the Linear weights' size once more in memory (~540 MB for SmolLM2-135M with its LM head).
 `PackedBF16Linear` does the same for bf16-weights' BF16Linear (bf16 packed: 1.2-1.6x over its plain
-bf16 matmul at 1-32 rows on the same EPYC).
+bf16 matmul at 1-32 rows on the same EPYC). oneDNN's bf16 path needs AVX512BW/VL/DQ or
+AVX-NE-CONVERT: an AVX2-only EPYC raises on it, so each dtype is packed only where `can_pack` found
+the op working on this CPU, and a bf16 model there stays on its plain bf16 matmul.
 
 Whether it pays is measured, not assumed (`speedup`): `serving.linear_kernel: auto` times the
 model's decode step both ways at start-up.
@@ -38,6 +40,26 @@ def available() -> bool:
     """oneDNN is built in and has the prepacked-linear ops (internal ops of torch's CPU inductor)."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+_can_pack: dict[torch.dtype, bool] = {}
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN packs and multiplies `dtype` weights on this CPU: tried once per process on a tiny
+    weight (the op raises where the CPU lacks the instructions it needs; no CPU-name table)."""
+    if dtype not in _can_pack:
+        ok = available()
+        if ok:
+            try:
+                w = torch.ones(8, 8, dtype=dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+                torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+            except RuntimeError as exc:
+                log.info("oneDNN cannot pack %s weights on this CPU (%s)", dtype, str(exc).splitlines()[0])
+                ok = False
+        _can_pack[dtype] = ok
+    return _can_pack[dtype]
 
 
 class _Packed:
@@ -87,11 +109,13 @@ _PACKED = {torch.nn.Linear: (PackedLinear, torch.float32), BF16Linear: (PackedBF
 
 def pack_linears(model: Any) -> int:
     """Turn every plain fp32 CPU `nn.Linear` of `model` into a PackedLinear (and every BF16Linear
-    into a PackedBF16Linear), in place: the module keeps its Parameters; the number turned."""
+    into a PackedBF16Linear), in place, where this CPU can pack that dtype (`can_pack`): the module
+    keeps its Parameters; the number turned."""
     n = 0
     for module in list(model.modules()):
         cls, dtype = _PACKED.get(type(module), (None, None))
-        if cls is not None and module.weight.dtype == dtype and module.weight.device.type == "cpu":
+        if cls is not None and module.weight.dtype == dtype and module.weight.device.type == "cpu" \
+                and can_pack(dtype):
             module._packed = _Packed(module.weight)
             module.__class__ = cls
             n += 1

@@ -93,8 +93,9 @@ class TorchEngine:  # an `engine_protocol.Engine`
             return model
         if self.linear_kernel == "auto":  # settled on the first model: the machine does not change
             self.linear_kernel = "onednn" if packed_linear.pack_if_faster(model) else "aten"
-        elif self.linear_kernel == "onednn":
-            packed_linear.pack_linears(model)
+        elif self.linear_kernel == "onednn" and packed_linear.pack_linears(model) == 0:
+            log.warning("serving.linear_kernel onednn: oneDNN cannot pack this model's weights on this CPU; using aten")
+            self.linear_kernel = "aten"
         return model
 
     def _load_adapter(self, path: str):
