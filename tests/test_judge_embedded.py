@@ -83,10 +83,14 @@ def test_embedding_uses_its_own_thread_count_and_restores_torchs(judge):
     import torch
 
     before = torch.get_num_threads()
-    assert judge.encoder.threads == 1 and judge.encoder.embed(["hello", "thanks!"]).shape == (2, 384)
-    assert torch.get_num_threads() == before
-    asyncio.run(judge(user_turn("thanks!")))  # MiniLM and the reader at once: torch's count restored
-    assert torch.get_num_threads() == before
+    torch.set_num_threads(2)  # not the judge's 1, whatever the run set, so a missed restore shows
+    try:
+        assert judge.encoder.threads == 1 and judge.encoder.embed(["hello", "thanks!"]).shape == (2, 384)
+        assert torch.get_num_threads() == 2
+        asyncio.run(judge(user_turn("thanks!")))  # MiniLM and the reader at once: torch's count restored
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_shipped_head_matches_its_training_data():

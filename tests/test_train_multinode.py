@@ -72,9 +72,9 @@ def test_two_nodes_match_one_process(base, batch, trained, tmp_path, monkeypatch
     for t in threads:
         t.join()
     print(f"2 nodes x 1 process took {time.monotonic() - t0:.1f} s")
-    assert results[1] == {"node_rank": 1}, results[1]
+    assert results[1] == {"node_rank": 1}, str(results[1])  # str: the reason, whole (repr truncates)
     metrics = results[0]
-    assert isinstance(metrics, dict), metrics
+    assert isinstance(metrics, dict), str(metrics)
     assert_same_as_one_process(trained, metrics, out)
     assert (out.parent / "two-nodes.log").is_file() and (out.parent / "two-nodes.node1.log").is_file()
 
@@ -123,3 +123,20 @@ def test_unreachable_rendezvous_endpoint_fails_with_the_reason(base, batch, tmp_
     print(f"unreachable rendezvous reported in {took:.1f} s: {err.value.reason}")
     assert f"rendezvous 'nobody' at {endpoint} did not form" in err.value.reason and "(node 1)" in err.value.reason
     assert "\n" not in err.value.reason and took < 90
+
+
+def test_failure_reason_is_the_workers_crash_not_torchruns_banner(tmp_path):
+    from clawflow.train.launch import _reason
+
+    log = tmp_path / "node1.log"
+    log.write_text("$ torchrun ...\nstep 1 loss 0.3\n"
+                   "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                   "  what():  [enforce fail at gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes\n"
+                   "E1206 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: -6)\n"
+                   "============================================================\n")
+    assert _reason(log).startswith("what():  [enforce fail at gloo")
+    log.write_text("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n"
+                   "[rank0]: ValueError: no rows\n==========\n")
+    assert _reason(log) == "[rank0]: ValueError: no rows"
+    log.write_text("just a line\n==========\n")
+    assert _reason(log) == "=========="

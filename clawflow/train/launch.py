@@ -188,7 +188,12 @@ def _reason(log_path: Path, cfg: Config | None = None) -> str:
     ours = [ln for ln in lines if ln.startswith("clawflow.train: error:")]
     if ours:
         return ours[-1].removeprefix("clawflow.train: error: ")
-    return lines[-1] if lines else "no output"
+    # a worker's own crash (a C++ abort, a Python exception) says more than torchrun's closing banner
+    crash = [ln for ln in lines if _CRASH.match(ln)]
+    return crash[-1] if crash else lines[-1] if lines else "no output"
+
+
+_CRASH = re.compile(r"(terminate called .*|what\(\):.*|(\[[^\]]*\]:?\s*)?[A-Za-z_][\w.]*(Error|Exception): .*)$")
 
 
 def _root_cause_exit(log_path: Path) -> int | None:
