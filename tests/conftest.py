@@ -36,8 +36,8 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 # The longest files first (measured: `make test` prints the slowest tests), so that with
 # `make test`'s one worker per core (pytest-xdist, --dist loadfile) the container build and the
 # end-to-end runs start at once and no worker is left alone with one of them at the end.
-LONG_FIRST = ("test_container.py", "test_orchestration.py", "test_openclaw_e2e.py", "test_shipped_recipe.py",
-              "test_train_preferences.py", "test_crash.py", "test_two_hosts.py", "test_learning_bench.py",
+LONG_FIRST = ("test_learning_bench.py", "test_container.py", "test_orchestration.py", "test_openclaw_e2e.py",
+              "test_shipped_recipe.py", "test_train_preferences.py", "test_crash.py", "test_two_hosts.py",
               "test_browser.py", "test_replica_follow.py", "test_end_to_end.py", "test_env_rewards.py",
               "test_smollm2.py", "test_train.py", "test_store_outage.py", "test_train_opd.py")
 
