@@ -28,7 +28,9 @@ def test_the_shipped_recipe_learns_a_preference_its_teacher_shows(make_config, p
     train section as it ships (LoRA, distill over the standing preference, best-of-N rewrites,
     rehearsal, broad prompts, KL) must carry SHORT into the plain prompt, on held-out prompts.
     The one change is lr 3e-3 for a 64-wide random model: at the shipped 3e-4 (sized for SmolLM2)
-    its 2 steps a round moved nothing in 3 rounds."""
+    its 2 steps a round moved nothing in 3 rounds. What carries it here is the RL part on approved
+    SHORT samples: the degenerate-teacher guard drops the standing preference, since SHORT shares no
+    word with the questions (docs/learning.md)."""
     import yaml
 
     from clawflow.config import REPO_ROOT
