@@ -14,7 +14,7 @@ from pathlib import Path
 
 # One torch thread per core per xdist worker: `make test` runs one worker per core, and each
 # worker's torch, and every server or torchrun it starts (they inherit OMP_NUM_THREADS), defaulting
-# to all the cores oversubscribed them: on the 2-core VM four training/gate test files took 215 s
+# to all the cores oversubscribed them: on a 2-core AVX2 EPYC four training/gate test files took 215 s
 # that way and 126 s this way (2026-12-06).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
