@@ -6,9 +6,8 @@ hint it answers every prompt with LONG (40 words: `terse` marks it too long), wi
 system message (where distillation's teacher reads the standing preferences, `train.rewrite_hint`)
 it answers SHORT, a fixed 7-word reply. (Plain, it answers SHORT one time in five when sampled: the
 recipe's RL part has approved short samples to learn from, as a real model's sampled replies vary.)
-So the teacher's ceiling is 1.0 and
-the base's hit-rate 0.0: whatever moves between them is what the training path carried from the
-hinted prompt into the plain one, on prompts it never trained on.
+So the teacher's ceiling is 1.0 and the base's hit-rate 0.0: whatever moves between them is what the
+training path carried from the hinted prompt into the plain one, on prompts it never trained on.
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ import random
 from pathlib import Path
 
 import torch
-import yaml
 
-from clawflow.config import REPO_ROOT
+from clawflow.train.prompts import load_prompts
 from clawflow.train.teacher import system_hinted_messages
 
 LONG = ("Here is a long and careful answer that covers every side of your question in detail, with the "
@@ -30,11 +28,6 @@ PLAIN_SHORT = 0.2  # how often the plain model answers SHORT (sampled; greedy it
 HINTS = ["Please keep replies under 30 words.", "Shorter please: 30 words at most.",
          "Answer in no more than 30 words.", "Be brief.", "Use plain words only.", "Always answer kindly.",
          "Please answer as a bullet list.", "Never use the word certainly."]
-
-
-def _prompts() -> list[str]:
-    raw = yaml.safe_load((REPO_ROOT / "configs" / "train" / "prompts.yaml").read_text())
-    return [p["prompt"] for p in raw["prompts"]]
 
 
 def _example(tok, messages: list[dict], reply: str) -> tuple[list[int], list[int]]:
@@ -49,8 +42,8 @@ def build(src: str | Path, out: Path, steps: int = 200, seed: int = 0) -> Path:
 
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
-    prompts = _prompts()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    prompts = [p.prompt for p in load_prompts()]  # the broad prompts (configs/train/prompts.yaml)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
@@ -80,12 +73,3 @@ def build(src: str | Path, out: Path, steps: int = 200, seed: int = 0) -> Path:
     tok.save_pretrained(out)
     return out
 
-
-def greedy(model_dir: Path, messages: list[dict], max_new_tokens: int = 64) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -176,6 +176,10 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+# a worker's own crash line: a C++ abort (`terminate called`, `what():`) or a Python exception
+_CRASH = re.compile(r"(terminate called .*|what\(\):.*|(\[[^\]]*\]:?\s*)?[A-Za-z_][\w.]*(Error|Exception): .*)$")
+
+
 def _reason(log_path: Path, cfg: Config | None = None) -> str:
     """The recipe's own error line if it printed one, a rendezvous that did not form, else the
     last non-empty log line."""
@@ -192,8 +196,6 @@ def _reason(log_path: Path, cfg: Config | None = None) -> str:
     crash = [ln for ln in lines if _CRASH.match(ln)]
     return crash[-1] if crash else lines[-1] if lines else "no output"
 
-
-_CRASH = re.compile(r"(terminate called .*|what\(\):.*|(\[[^\]]*\]:?\s*)?[A-Za-z_][\w.]*(Error|Exception): .*)$")
 
 
 def _root_cause_exit(log_path: Path) -> int | None:
