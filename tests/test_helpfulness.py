@@ -107,7 +107,9 @@ def test_the_shipped_questions_are_many_valid_and_never_training_prompts():
 
 
 def _teach(model, tok, pairs: list[tuple[str, str]], steps: int, lr: float) -> None:
-    """Fine-tune `model` (all its trainable weights) to answer each prompt with its reply."""
+    """Fine-tune `model` (all its trainable weights) to answer each prompt with its reply: every step
+    the mean over pairs of the reply's mean token NLL, all pairs in one right-padded forward (one
+    forward per pair, over the whole vocabulary at every position, made this module's fixture 48 s)."""
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     rows = []
     for prompt, reply in pairs:
@@ -115,14 +117,23 @@ def _teach(model, tok, pairs: list[tuple[str, str]], steps: int, lr: float) -> N
                                     tokenize=True, return_dict=False)
         r = tok(reply, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
         rows.append((list(p), r))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask, target = torch.zeros_like(ids), torch.zeros_like(ids)
+    weight = torch.zeros(len(rows), width)  # at the position that predicts each reply token: 1/len(reply)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        mask[i, : len(p) + len(r)] = 1
+        target[i, len(p) - 1 : len(p) + len(r) - 1] = torch.tensor(r)
+        weight[i, len(p) - 1 : len(p) + len(r) - 1] = 1.0 / len(r)
+    at = weight > 0
     model.train()
     for _ in range(steps):
-        loss = 0.0
-        for p, r in rows:
-            lp = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1], -1)
-            loss = loss - lp.gather(-1, torch.tensor(r)[:, None]).mean()
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        lp = torch.log_softmax(model.get_output_embeddings()(hidden[at]), -1)  # the vocabulary only where learned
+        loss = -(lp.gather(-1, target[at][:, None])[:, 0] * weight[at]).sum() / len(rows)
         opt.zero_grad()
-        (loss / len(rows)).backward()
+        loss.backward()
         opt.step()
     model.eval()
 
