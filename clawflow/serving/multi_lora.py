@@ -1,0 +1,211 @@
+"""Many LoRA adapters on one base model, each applied to its own rows of one forward (issue #29).
+
+Why: a decode step on CPU is bound by reading the base weights (540 MB for SmolLM2-135M in fp32).
+Serving each user's adapter as its own model, in its own batch, reads them once per adapter per
+step. Here every target Linear of the base runs once over all the rows, and each adapter adds its
+low-rank delta, `scale * (x A^T) B^T`, to its own rows only (the grouping of S-LoRA / Punica, in
+plain torch). The base weights are never modified, so a row with no adapter gets exactly the base.
+
+- `read_adapter` reads a peft LoRA adapter directory (what the trainer writes) into per-module
+  deltas, refusing what it cannot apply exactly (DoRA, trained biases, extra saved modules, a
+  module or shape the base does not have).
+- `MultiLora(model)` wraps every Linear of the decoder layers once; `load(key, deltas)` and
+  `unload(key)` add or drop one adapter without touching another's.
+- `route(adapters, counts)` says, for the next forward, which adapter each segment of the flat rows
+  uses (a decode row is one row; a prompt chunk is `count` rows). Every wrapped Linear reads it.
+  It works for the fused step's flat `[N, D]` rows and for transformers' `[B, T, D]` alike.
+
+An adapter's deltas are immutable once loaded: a reload loads the new version under a new key, so
+rows already decoding on the old version finish on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."  # peft's prefix on every saved key
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be applied exactly; the message is one line."""
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """One module's adapter, ready to apply: y += (x @ a_t) @ b_t, the scale folded into b_t."""
+
+    a_t: torch.Tensor  # [in, r]
+    b_t: torch.Tensor  # [r, out], times alpha / r
+
+    @property
+    def nbytes(self) -> int:
+        return self.a_t.numel() * self.a_t.element_size() + self.b_t.numel() * self.b_t.element_size()
+
+
+def read_adapter(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, LoraDelta]:
+    """A peft LoRA adapter directory as {module name in the base model: its delta}."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+        weights = load_file(str(path / ADAPTER_WEIGHTS))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise AdapterError(f"cannot read adapter {path}: {exc.__class__.__name__}: {exc}") from exc
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {path} is {cfg.get('peft_type')}, not LORA")
+    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "saved modules")):
+        if cfg.get(key):
+            raise AdapterError(f"adapter {path} uses {why}, which is not served per row")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"adapter {path} trains biases, which is not served per row")
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        if not key.startswith(_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise AdapterError(f"adapter {path} holds {key}, not a LoRA A/B weight")
+        name, part = key[len(_PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        pairs.setdefault(name, {})[part] = tensor
+    deltas = {}
+    for name, p in pairs.items():
+        a, b = p.get("lora_A"), p.get("lora_B")
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"adapter {path}: module {name} has no matching A and B")
+        deltas[name] = LoraDelta(a.to(dtype).t().contiguous(), (b.to(dtype) * scale).t().contiguous())
+    if not deltas:
+        raise AdapterError(f"adapter {path} holds no LoRA weights")
+    return deltas
+
+
+class _Router:
+    """Which adapter each flat row of the next forward uses, shared by every wrapped Linear. A
+    forward runs on one thread (the decode loop), so a plain attribute under a lock is enough."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[Hashable, torch.Tensor | None]] = []  # (key, rows); rows None = all
+        self.rows = 0
+        self.lock = threading.Lock()
+
+
+class MultiLoraLinear(torch.nn.Module):
+    """A base Linear plus, per routed adapter, its low-rank delta on that adapter's rows."""
+
+    def __init__(self, base: torch.nn.Module, router: _Router):
+        super().__init__()
+        self.base, self._router = base, router
+        self.deltas: dict[Hashable, LoraDelta] = {}
+        self.in_features = getattr(base, "in_features", None)
+        self.out_features = getattr(base, "out_features", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        groups = self._router.groups
+        if not groups or not self.deltas:
+            return y
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if flat_x.shape[0] != self._router.rows:
+            raise RuntimeError(f"routed {self._router.rows} rows, the forward has {flat_x.shape[0]}")
+        for key, rows in groups:
+            d = self.deltas.get(key)
+            if d is None:  # this adapter leaves this module as the base has it
+                continue
+            if rows is None:
+                flat_y.addmm_(flat_x @ d.a_t, d.b_t)
+            else:
+                flat_y.index_add_(0, rows, (flat_x.index_select(0, rows) @ d.a_t) @ d.b_t)
+        return y
+
+
+def _decoder_linears(model) -> Iterator[tuple[torch.nn.Module, str, str]]:
+    """(parent, attribute, full name) of every Linear inside the decoder layers (not the head)."""
+    for name, module in model.named_modules():
+        if ".layers." not in f".{name}." and not name.startswith("layers."):
+            continue
+        for child_name, child in module.named_children():
+            if isinstance(child, torch.nn.Linear):  # packed and bf16 Linears are Linears too
+                yield module, child_name, f"{name}.{child_name}"
+
+
+class MultiLora:
+    """The adapters served on one base model: `load`, `unload`, and `route` for each forward."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self._router = _Router()
+        self.layers: dict[str, MultiLoraLinear] = {}
+        for parent, attr, name in list(_decoder_linears(model)):
+            wrapped = MultiLoraLinear(getattr(parent, attr), self._router)
+            setattr(parent, attr, wrapped)
+            self.layers[name] = wrapped
+        self._keys: set[Hashable] = set()
+
+    def keys(self) -> set[Hashable]:
+        return set(self._keys)
+
+    def load(self, key: Hashable, deltas: dict[str, LoraDelta]) -> int:
+        """Serve `deltas` under `key` (a new key: a loaded adapter is never changed in place).
+        Checked whole before anything is installed: an AdapterError leaves every adapter as it was.
+        Returns the adapter's bytes."""
+        if key in self._keys:
+            raise AdapterError(f"an adapter is already loaded as {key!r}")
+        for name, d in deltas.items():
+            layer = self.layers.get(name)
+            if layer is None:
+                raise AdapterError(f"the adapter adapts {name}, which the base model does not have")
+            if (layer.in_features, layer.out_features) != (d.a_t.shape[0], d.b_t.shape[1]) \
+                    or d.a_t.shape[1] != d.b_t.shape[0]:
+                raise AdapterError(f"the adapter's {name} is {tuple(d.a_t.shape)} x {tuple(d.b_t.shape)}, "
+                                   f"the base's Linear {layer.in_features} -> {layer.out_features}")
+        for name, d in deltas.items():
+            self.layers[name].deltas[key] = d
+        self._keys.add(key)
+        return sum(d.nbytes for d in deltas.values())
+
+    def unload(self, key: Hashable) -> None:
+        for layer in self.layers.values():
+            layer.deltas.pop(key, None)
+        self._keys.discard(key)
+
+    @contextlib.contextmanager
+    def route(self, adapters: Sequence[Hashable | None], counts: Sequence[int] | None = None):
+        """For the forwards inside: segment i of the flat rows (`counts[i]` rows, 1 when `counts` is
+        None) uses adapter `adapters[i]`, None = the base alone. Rows are in segment order."""
+        counts = [1] * len(adapters) if counts is None else list(counts)
+        if len(counts) != len(adapters):
+            raise ValueError("one count per adapter")
+        unknown = {a for a in adapters if a is not None} - self._keys
+        if unknown:
+            raise KeyError(f"adapters not loaded: {sorted(map(str, unknown))}")
+        total = sum(counts)
+        distinct = set(adapters)
+        if distinct <= {None}:
+            groups: list[tuple[Hashable, torch.Tensor | None]] = []
+        elif len(distinct) == 1:  # every row on one adapter: no gather
+            groups = [(adapters[0], None)]
+        else:
+            rows: dict[Hashable, list[int]] = {}
+            at = 0
+            for a, n in zip(adapters, counts):
+                if a is not None:
+                    rows.setdefault(a, []).extend(range(at, at + n))
+                at += n
+            groups = [(a, torch.tensor(r, dtype=torch.long)) for a, r in rows.items()]
+        with self._router.lock:
+            self._router.groups, self._router.rows = groups, total
+            try:
+                yield
+            finally:
+                self._router.groups, self._router.rows = [], 0

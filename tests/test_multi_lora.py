@@ -1,0 +1,152 @@
+"""Many adapters on one base in one forward (clawflow/serving/multi_lora.py): every row gets what
+its own adapter (or the base) computes alone, in transformers' forward and in the fused step, and
+a bad adapter is refused without touching the loaded ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from clawflow.serving import fused_step
+from clawflow.serving.kv_cache import new_cache
+from clawflow.serving.multi_lora import AdapterError, MultiLora, read_adapter
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _base(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """Three adapters with random A and B (an untrained LoRA's B is zero: it would change nothing),
+    of different ranks and target modules, as peft saves them."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for i, (r, targets) in enumerate([(8, TARGETS), (4, ["q_proj", "v_proj"]), (16, ["down_proj", "o_proj"])]):
+        torch.manual_seed(i)
+        model = get_peft_model(_base(tiny_model_dir), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
+                                                                 init_lora_weights=False))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.3)
+        model.save_pretrained(root / f"a{i}")
+        out[f"a{i}"] = root / f"a{i}"
+    return out
+
+
+def _reference(tiny_model_dir, adapter, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of `ids` [1, T] on the base alone (adapter None) or with one peft adapter attached."""
+    model = _base(tiny_model_dir)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.inference_mode():
+        return model(input_ids=ids).logits[0]
+
+
+def test_rows_of_different_adapters_match_each_alone(tiny_model_dir, adapters):
+    base = _base(tiny_model_dir)
+    multi = MultiLora(base)
+    for key, path in adapters.items():
+        assert multi.load(key, read_adapter(path)) > 0
+    ids = torch.randint(5, 2000, (5, 9), generator=torch.Generator().manual_seed(0))
+    per_row = ["a0", None, "a1", "a2", "a0"]
+    with torch.inference_mode(), multi.route(per_row, [ids.shape[1]] * len(per_row)):
+        logits = base(input_ids=ids).logits
+    for row, adapter in enumerate(per_row):
+        want = _reference(tiny_model_dir, adapters.get(adapter), ids[row:row + 1])
+        assert torch.allclose(logits[row], want, atol=1e-4), (row, adapter, (logits[row] - want).abs().max())
+    # the same rows outside a route: the base alone, the adapters loaded but not asked for
+    with torch.inference_mode():
+        plain = base(input_ids=ids).logits
+    assert torch.allclose(plain[2], _reference(tiny_model_dir, None, ids[2:3]), atol=1e-5)
+    assert not torch.allclose(logits[0], plain[0], atol=1e-3)  # the adapter does change its rows
+
+
+def test_fused_step_decode_rows_and_prompt_chunks_take_their_own_adapters(tiny_model_dir, adapters):
+    """The serving path: decode rows and a prompt chunk in one flat forward, each on its adapter."""
+    base = _base(tiny_model_dir)
+    assert fused_step.supports(base)
+    multi = MultiLora(base)
+    for key in ("a0", "a1"):
+        multi.load(key, read_adapter(adapters[key]))
+    prompt = list(range(40, 52))
+    # one chunk on a1 and one on the base, no decode rows
+    chunks = [fused_step.Chunk(prompt, 0, new_cache()), fused_step.Chunk(prompt, 0, new_cache())]
+    empty = torch.zeros(0, dtype=torch.long)
+    with torch.inference_mode(), multi.route(["a1", None], [len(prompt), len(prompt)]):
+        _, last = fused_step.forward(base, empty, empty, None, None, chunks)
+    assert torch.allclose(last[0], _reference(tiny_model_dir, adapters["a1"], torch.tensor([prompt]))[-1], atol=1e-4)
+    assert torch.allclose(last[1], _reference(tiny_model_dir, None, torch.tensor([prompt]))[-1], atol=1e-4)
+    # next step: chunk 0's prompt decodes one token on a1 (a decode row) while a new prompt's chunk
+    # rides along on a0, in the same forward
+    cache, tok, other = chunks[0].cache, 77, list(range(300, 307))
+    ride = fused_step.Chunk(other, 0, new_cache())
+    with torch.inference_mode(), multi.route(["a1", "a0"], [1, len(other)]):
+        rows, last = fused_step.forward(base, torch.tensor([tok]), torch.tensor([len(prompt)]),
+                                        torch.ones(1, len(prompt) + 1, dtype=torch.long), cache, [ride])
+    want = _reference(tiny_model_dir, adapters["a1"], torch.tensor([prompt + [tok]]))[-1]
+    assert torch.allclose(rows[0], want, atol=1e-4), (rows[0] - want).abs().max()
+    assert torch.allclose(last[0], _reference(tiny_model_dir, adapters["a0"], torch.tensor([other]))[-1], atol=1e-4)
+
+
+def test_a_bad_adapter_is_refused_and_the_loaded_ones_keep_serving(tiny_model_dir, adapters, tmp_path):
+    base = _base(tiny_model_dir)
+    multi = MultiLora(base)
+    multi.load("a0", read_adapter(adapters["a0"]))
+    ids = torch.tensor([[11, 12, 13, 14]])
+    with torch.inference_mode(), multi.route(["a0"], [4]):
+        before = base(input_ids=ids).logits
+    # a truncated weights file, a foreign module, a wrong shape, DoRA, a key already loaded
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["a1"], broken)
+    weights = broken / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(AdapterError, match="cannot read adapter"):
+        read_adapter(broken)
+    deltas = read_adapter(adapters["a1"])
+    name = next(iter(deltas))
+    with pytest.raises(AdapterError, match="does not have"):
+        multi.load("x", {"model.layers.99.self_attn.q_proj": deltas[name]})
+    wrong = dict(deltas)
+    wrong["model.layers.0.mlp.down_proj"] = deltas[name]  # an attention projection's delta: 64 in, not 128
+    with pytest.raises(AdapterError, match="the base's Linear"):
+        multi.load("y", wrong)
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["a1"], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(AdapterError, match="DoRA"):
+        read_adapter(dora)
+    with pytest.raises(AdapterError, match="already loaded"):
+        multi.load("a0", deltas)
+    assert multi.keys() == {"a0"}
+    with pytest.raises(KeyError, match="not loaded"):
+        with multi.route(["y"], [4]):
+            pass
+    with torch.inference_mode(), multi.route(["a0"], [4]):
+        after = base(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_unloading_one_adapter_leaves_the_others_rows_unchanged(tiny_model_dir, adapters):
+    base = _base(tiny_model_dir)
+    multi = MultiLora(base)
+    for key, path in adapters.items():
+        multi.load(key, read_adapter(path))
+    ids = torch.randint(5, 2000, (3, 6), generator=torch.Generator().manual_seed(1))
+    route = (["a0", "a1", "a2"], [6, 6, 6])
+    with torch.inference_mode(), multi.route(*route):
+        before = base(input_ids=ids).logits
+    multi.unload("a1")
+    assert multi.keys() == {"a0", "a2"}
+    with torch.inference_mode(), multi.route(["a0", None, "a2"], [6, 6, 6]):
+        after = base(input_ids=ids).logits
+    assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+    assert torch.allclose(after[1], _reference(tiny_model_dir, None, ids[1:2]), atol=1e-5)
