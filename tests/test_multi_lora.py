@@ -126,6 +126,8 @@ def test_a_bad_adapter_is_refused_and_the_loaded_ones_keep_serving(tiny_model_di
         read_adapter(dora)
     with pytest.raises(AdapterError, match="already loaded"):
         multi.load("a0", deltas)
+    with pytest.raises(ValueError, match="once"):
+        MultiLora(base)  # wrapping the wrappers would route every delta twice
     assert multi.keys() == {"a0"}
     with pytest.raises(KeyError, match="not loaded"):
         with multi.route(["y"], [4]):

@@ -71,6 +71,8 @@ def read_adapter(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[s
             raise AdapterError(f"adapter {path} uses {why}, which is not served per row")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"adapter {path} trains biases, which is not served per row")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):  # per-module scales: not read here
+        raise AdapterError(f"adapter {path} sets a rank or alpha per module, which is not served per row")
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -101,7 +103,8 @@ class _Router:
 
 
 class MultiLoraLinear(torch.nn.Module):
-    """A base Linear plus, per routed adapter, its low-rank delta on that adapter's rows."""
+    """A base Linear plus, per routed adapter, its low-rank delta on that adapter's rows. For
+    inference: the deltas are added to the base's output in place."""
 
     def __init__(self, base: torch.nn.Module, router: _Router):
         super().__init__()
@@ -132,7 +135,7 @@ class MultiLoraLinear(torch.nn.Module):
 def _decoder_linears(model) -> Iterator[tuple[torch.nn.Module, str, str]]:
     """(parent, attribute, full name) of every Linear inside the decoder layers (not the head)."""
     for name, module in model.named_modules():
-        if ".layers." not in f".{name}." and not name.startswith("layers."):
+        if ".layers." not in f".{name}.":
             continue
         for child_name, child in module.named_children():
             if isinstance(child, torch.nn.Linear):  # packed and bf16 Linears are Linears too
@@ -143,6 +146,10 @@ class MultiLora:
     """The adapters served on one base model: `load`, `unload`, and `route` for each forward."""
 
     def __init__(self, model: Any):
+        """Wrap `model`'s decoder Linears, in place; `model` is a plain base (for inference), not a
+        peft model and not wrapped already."""
+        if hasattr(model, "peft_config") or any(isinstance(m, MultiLoraLinear) for m in model.modules()):
+            raise ValueError("MultiLora wraps a plain base model once (not a peft model, not twice)")
         self.model = model
         self._router = _Router()
         self.layers: dict[str, MultiLoraLinear] = {}
