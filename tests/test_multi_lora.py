@@ -9,15 +9,13 @@ import shutil
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from _adapters import make_adapters
 from clawflow.serving import fused_step
 from clawflow.serving.kv_cache import new_cache
 from clawflow.serving.multi_lora import AdapterError, MultiLora, read_adapter
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def _base(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -25,20 +23,7 @@ def _base(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
-    """Three adapters with random A and B (an untrained LoRA's B is zero: it would change nothing),
-    of different ranks and target modules, as peft saves them."""
-    root = tmp_path_factory.mktemp("adapters")
-    out = {}
-    for i, (r, targets) in enumerate([(8, TARGETS), (4, ["q_proj", "v_proj"]), (16, ["down_proj", "o_proj"])]):
-        torch.manual_seed(i)
-        model = get_peft_model(_base(tiny_model_dir), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
-                                                                 init_lora_weights=False))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data.normal_(0, 0.3)
-        model.save_pretrained(root / f"a{i}")
-        out[f"a{i}"] = root / f"a{i}"
-    return out
+    return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("adapters"))
 
 
 def _reference(tiny_model_dir, adapter, ids: torch.Tensor) -> torch.Tensor:

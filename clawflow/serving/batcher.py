@@ -28,6 +28,10 @@ So this is a compact left-padded decoder over a `DynamicCache` whose layers appe
 - a prefix KV cache (clawflow/serving/prefix_cache.py): a prompt that starts with tokens an earlier
   prompt prefilled on the same policy prefills only its new tail; a request with no hit runs exactly
   as without the cache. Entries of a policy that no longer serves are dropped;
+- a user's own LoRA adapter (clawflow/serving/multi_lora.py): a row may name an adapter loaded on
+  its policy's model; the rows of every adapter (and of none) share one batch and one forward, each
+  Linear adding each adapter's delta to its own rows only. Its prompts' KV is cached under the
+  adapter, so no KV crosses between adapters;
 - re-warm on reload (clawflow/serving/rewarm.py): before a swap, the engine has this thread prefill
   the hottest cached prompts with the new weights, a step of ~`SLICE_S` seconds per loop iteration
   between the old version's work, and no more than what is left of any live request's `YIELD_S`
@@ -36,6 +40,7 @@ So this is a compact left-padded decoder over a `DynamicCache` whose layers appe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -63,6 +68,10 @@ class _Owner(Protocol):
     _policy: Any  # the serving policy (model, version, path): new requests pin it
     eos_ids: set[int]
 
+    def _pin(self, user: str | None) -> tuple[Any, Any]: ...  # (policy, key of the user's adapter or None)
+
+    def _retire(self, in_use: set) -> None: ...  # drop replaced adapters no admitted request uses
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -83,6 +92,8 @@ class _Row:
     filled: int = 0  # prompt tokens in `cache`
     submitted: float = field(default_factory=time.monotonic)
     rewarm_wait: float = 0.0  # seconds this request waited behind re-warm steps
+    user: str | None = None  # whose request: decoded with that user's adapter when one is loaded
+    adapter: Any = None  # the key of that adapter on the policy's model (serving/multi_lora.py), pinned at admission
 
 
 @dataclass
@@ -128,13 +139,14 @@ class Batcher:
     def active(self) -> int:
         return self._running
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Future:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+               user: str | None = None) -> Future:
         fut: Future = Future()
         gen = torch.Generator().manual_seed(params.seed % (1 << 63)) if params.seed is not None else None  # any int
         with self._cv:
             if self.active + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"server busy: {len(self._waiting)} requests waiting")
-            self._waiting.append(_Row(list(prompt_ids), params, on_token, fut, gen))
+            self._waiting.append(_Row(list(prompt_ids), params, on_token, fut, gen, user=user))
             self._cv.notify()
         return fut
 
@@ -244,6 +256,9 @@ class Batcher:
                             self.prefix.drop_version(version)  # and so is its KV
                 if self._rewarm is not None:  # a chunk at most per iteration: the old version keeps serving
                     self._rewarm_step()
+                with self._cv:
+                    in_use = {row.adapter for row in self._live() if row.adapter is not None}
+                self.engine._retire(in_use)
 
     def _guard(self, rows: list[_Row], fn) -> None:
         try:
@@ -263,9 +278,10 @@ class Batcher:
         """Pin the serving policy and seed the row's cache with the longest cached prefix."""
         from clawflow.serving.kv_cache import new_cache  # imports transformers: not at module load
 
-        row.policy = policy = self.engine._policy  # pinned: this request finishes on this version
+        policy, row.adapter = self.engine._pin(row.user)  # pinned: it finishes on this version and adapter
+        row.policy = policy
         row.cache = new_cache()
-        row.filled, layers = self._prefix_lookup(policy, row.prompt_ids)
+        row.filled, layers = self._prefix_lookup(policy, row.prompt_ids, row.adapter)
         for i, (k, v) in enumerate(layers or []):  # the cache holds prompt_ids[:filled]
             row.cache.update(k, v, i)  # copied into the row's own buffer: the stored KV stays intact
         self._prefilling.append(row)
@@ -291,8 +307,9 @@ class Batcher:
         end = self._chunk_end(row)
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head
         # over every prompt token, ~20 % of a prefill) would be thrown away.
-        out = row.policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=row.cache, use_cache=True,
-                               logits_to_keep=1, position_ids=torch.arange(row.filled, end)[None])
+        with _route(row.policy, [row.adapter], [end - row.filled]):
+            out = row.policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=row.cache, use_cache=True,
+                                   logits_to_keep=1, position_ids=torch.arange(row.filled, end)[None])
         row.filled = end
         if end == len(row.prompt_ids):
             self._prefilled(row, out.logits[0, -1])
@@ -321,14 +338,16 @@ class Batcher:
                   for row, end in zip(riders, ends)]
         caches = [c.cache for c in chunks] + ([batch.cache] if batch is not None else [])
         before = [(len(c.layers), [(layer.keys, layer.values) for layer in c.layers]) for c in caches]
+        decoding = batch.rows if batch is not None else []
         try:
-            if batch is None:
-                none = torch.zeros(0, dtype=torch.long)
-                _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)
-            else:
-                mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
-                logits, chunk_logits = fused_step.forward(policy.model, batch.last, batch.pos, mask, batch.cache,
-                                                          chunks)
+            with _route(policy, [r.adapter for r in decoding + riders], [1] * len(decoding) + [len(c.ids) for c in chunks]):
+                if batch is None:
+                    none = torch.zeros(0, dtype=torch.long)
+                    _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)
+                else:
+                    mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
+                    logits, chunk_logits = fused_step.forward(policy.model, batch.last, batch.pos, mask, batch.cache,
+                                                              chunks)
         except Exception as exc:
             for cache, (n, views) in zip(caches, before):  # positions written past a view are never read
                 del cache.layers[n:]
@@ -352,7 +371,8 @@ class Batcher:
         self._prefilling.remove(row)
         row.cache = None  # the batch owns it from here
         if self.prefix is not None:  # the cache holds exactly the prompt's KV here (no sampled token yet)
-            self.prefix.store(policy.version, row.prompt_ids, [(layer.keys, layer.values) for layer in cache.layers])
+            self.prefix.store(_prefix_key(policy, row.adapter), row.prompt_ids,
+                              [(layer.keys, layer.values) for layer in cache.layers])
         if self._emit(row, logits):
             return self._finish(row)
         batch = self._batches.setdefault(id(policy), _Batch(policy))
@@ -371,7 +391,7 @@ class Batcher:
             batch.pos, batch.last = torch.cat([batch.pos, pos]), torch.cat([batch.last, last])
         batch.rows.append(row)
 
-    def _prefix_lookup(self, policy, prompt_ids: list[int]):
+    def _prefix_lookup(self, policy, prompt_ids: list[int], adapter: Any = None):
         if self.prefix is None:
             return 0, None
         owner = self._prefix_owner
@@ -383,12 +403,13 @@ class Batcher:
                 for tokens, layers in reversed(staged[1]):  # hottest last: most recently used
                     self.prefix.store(policy.version, list(tokens), layers)
         self._prefix_owner = (weakref.ref(policy), policy.version)
-        return self.prefix.lookup(policy.version, prompt_ids)
+        return self.prefix.lookup(_prefix_key(policy, adapter), prompt_ids)
 
     def _step(self, batch: _Batch) -> None:
         mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
-        out = batch.policy.model(batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
-                                 cache=batch.cache, use_cache=True)
+        with _route(batch.policy, [r.adapter for r in batch.rows]):
+            out = batch.policy.model(batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
+                                     cache=batch.cache, use_cache=True)
         self._advance(batch, mask, out.logits[:, -1])
 
     def _advance(self, batch: _Batch, mask: torch.Tensor, logits: torch.Tensor) -> None:
@@ -445,6 +466,22 @@ class Batcher:
         else:
             row.future.set_result(Generation(row.out_ids, row.logprobs, row.text, row.finish,
                                              row.policy.version, row.top))
+
+
+def _prefix_key(policy, adapter: Any):
+    """Where a prompt's KV is cached: under the policy's version, and its adapter's key when it has one
+    (another adapter's KV of the same tokens differs)."""
+    return policy.version if adapter is None else (policy.version, adapter)
+
+
+def _route(policy, adapters: list, counts: list[int] | None = None):
+    """The forward's rows routed to their adapters (serving/multi_lora.py) when any row has one."""
+    if all(a is None for a in adapters):
+        return contextlib.nullcontext()
+    multi = getattr(policy.model, "clawflow_multi_lora", None)
+    if multi is None:
+        raise RuntimeError("a row names an adapter, and its policy's model serves none")
+    return multi.route(adapters, counts)
 
 
 class _FusedFailed(Exception):

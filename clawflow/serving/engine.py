@@ -12,6 +12,12 @@ join and leave between decode steps, one batch per policy version. Before a swap
 prefill the hottest cached prompts (`rewarm_tokens`, clawflow/serving/rewarm.py) in short steps
 that give way to requests (none waits more than `rewarm_yield_s` behind them) while the old ones
 keep serving, so the swap brings a warm prefix cache; a re-warm that fails only makes the swap cold.
+
+Users' own adapters (issue #29; `load_user_adapter`): a LoRA adapter per user, on the served base
+model's weights (clawflow/serving/multi_lora.py), and a request `submit`ted for that user decodes
+with it, in the same batch and forward as everyone else's. A user's new adapter version is loaded
+under a new key: requests already decoding on the old one finish on it, and it is dropped once
+none is left. A reload of the shared weights carries every user's adapter over to the new model.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from clawflow.policy.loader import adapter_base, is_adapter
 from clawflow.serving.batcher import Batcher
 from clawflow.serving.engine_protocol import EngineStats
 from clawflow.serving.generation import Generation, ReloadError, SamplingParams, TokenCallback
+from clawflow.serving.multi_lora import AdapterError
 from clawflow.serving.rewarm import SLICE_S, YIELD_S
 
 log = logging.getLogger("clawflow.engine")
@@ -59,11 +66,17 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.linear_kernel = linear_kernel
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
-        self._policy = _Policy(self._load(model_path), version, str(model_path))
+        # what new requests pin, swapped as one reference: the policy and which key each user's adapter
+        # has on its model (a request must never read one without the other)
+        self._serving: tuple[_Policy, dict[str, tuple]] = (_Policy(self._load(model_path), version, str(model_path)), {})
         self._reload_lock = threading.Lock()
         self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
         self.rewarm_min_tokens = rewarm_min_tokens  # shorter prompts are prefilled on demand
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
+        # users' own adapters: user -> (key, deltas, path); the key changes with every version loaded
+        self._user_adapters: dict[str, tuple[tuple, dict, str]] = {}
+        self._adapter_loads = 0
+        self._retiring: list[tuple[Any, tuple]] = []  # (model, key) replaced, dropped once no request uses it
         self.eos_ids = self._eos_ids()
         self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens,
                                prefill_chunk_tokens, rewarm_slice_s, rewarm_yield_s)
@@ -119,6 +132,18 @@ class TorchEngine:  # an `engine_protocol.Engine`
         return fp32_adapters(model) if self.dtype == "bf16-weights" else model
 
     @property
+    def _policy(self) -> _Policy:
+        return self._serving[0]
+
+    def _pin(self, user: str | None) -> tuple[_Policy, tuple | None]:
+        """The policy a new request of `user` decodes on, and the key of that user's adapter on its model."""
+        policy, keys = self._serving
+        return policy, keys.get(user) if user is not None else None
+
+    def _table(self) -> dict[str, tuple]:
+        return {user: key for user, (key, _, _) in self._user_adapters.items()}
+
+    @property
     def policy_version(self) -> int:
         return self._policy.version
 
@@ -143,9 +168,73 @@ class TorchEngine:  # an `engine_protocol.Engine`
             if model.config.vocab_size != self._policy.model.config.vocab_size:
                 raise ReloadError(f"checkpoint {path} has another vocabulary size")
             policy = _Policy(model, version, str(path))
+            if self._user_adapters:  # every user's adapter rides on to the new shared weights
+                try:
+                    multi = self._multi(model)
+                    for key, deltas, _ in self._user_adapters.values():
+                        multi.load(key, deltas)
+                except (AdapterError, ValueError) as exc:
+                    raise ReloadError(f"checkpoint {path} cannot carry the users' adapters: {exc}") from exc
             self.last_rewarm = self._rewarm(policy)
-            self._policy = policy
+            self._serving = (policy, self._table())
         return time.perf_counter() - t0
+
+    # -- users' own adapters ------------------------------------------------------------------
+    @staticmethod
+    def _multi(model):
+        """The model's MultiLora, installed on first use (policy/loader: a plain base, not a peft model)."""
+        from clawflow.serving.multi_lora import MultiLora
+
+        multi = getattr(model, "clawflow_multi_lora", None)
+        if multi is None:
+            if hasattr(model, "peft_config"):
+                raise AdapterError("users' adapters ride on full base weights; the shared policy is an adapter")
+            multi = MultiLora(model)
+            model.clawflow_multi_lora = multi  # read by the batcher's forwards
+        return multi
+
+    def load_user_adapter(self, user: str, path: str) -> dict:
+        """Serve `user`'s requests from now on with the LoRA adapter at `path`, on the served weights.
+        An AdapterError (unreadable, DoRA, shapes the base lacks) changes nothing: the user's old
+        adapter, and everyone else's, keep serving."""
+        from clawflow.serving.multi_lora import read_adapter
+
+        t0 = time.perf_counter()
+        with self._reload_lock:
+            deltas = read_adapter(path)
+            self._adapter_loads += 1
+            key = (user, self._adapter_loads)
+            model = self._policy.model
+            nbytes = self._multi(model).load(key, deltas)
+            old = self._user_adapters.get(user)
+            self._user_adapters[user] = (key, deltas, str(path))
+            self._serving = (self._policy, self._table())
+            if old is not None:
+                self._retiring.append((model, old[0]))
+        return {"user": user, "path": str(path), "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def unload_user_adapter(self, user: str) -> None:
+        """`user`'s requests go back to the shared policy; in-flight ones finish on the adapter."""
+        with self._reload_lock:
+            old = self._user_adapters.pop(user, None)
+            self._serving = (self._policy, self._table())
+            if old is not None:
+                self._retiring.append((self._policy.model, old[0]))
+
+    def _retire(self, in_use: set) -> None:
+        """Drop replaced adapters no admitted request decodes with (the decode loop calls it)."""
+        if not self._retiring:
+            return
+        with self._reload_lock:
+            for model, key in list(self._retiring):
+                if key not in in_use:
+                    getattr(model, "clawflow_multi_lora").unload(key)
+                    self._retiring.remove((model, key))
+
+    def user_adapter(self, user: str | None) -> str | None:
+        """The path of the adapter `user`'s requests decode with, None for the shared policy."""
+        entry = self._user_adapters.get(user) if user is not None else None
+        return entry[2] if entry is not None else None
 
     def _rewarm(self, policy: _Policy) -> dict | None:
         """Prefill the hottest cached prompts on `policy` and stage their KV for the swap; never raises."""
@@ -188,14 +277,16 @@ class TorchEngine:  # an `engine_protocol.Engine`
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- decoding --------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None):
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+               user: str | None = None):
         """Queue a request for the decode loop; a `concurrent.futures.Future` of its `Generation`.
         Raises `batcher.QueueFull` when the waiting queue is at its bound. `on_token` runs on the
-        decode thread: keep it cheap."""
-        return self.batcher.submit(prompt_ids, params, on_token)
+        decode thread: keep it cheap. `user`: decode with that user's adapter, if one is loaded."""
+        return self.batcher.submit(prompt_ids, params, on_token, user=user)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Generation:
-        return self.submit(prompt_ids, params, on_token).result()
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+                 user: str | None = None) -> Generation:
+        return self.submit(prompt_ids, params, on_token, user).result()
 
     def close(self) -> None:
         self.batcher.close()

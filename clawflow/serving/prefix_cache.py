@@ -101,7 +101,8 @@ class PrefixCache:
         return [(k[1], layers) for k, layers in self._entries.items() if k[0] == version]
 
     def drop_version(self, version) -> None:
-        for key in [k for k in self._entries if k[0] == version]:
+        """`version`'s entries, those kept under (version, adapter) too."""
+        for key in [k for k in self._entries if k[0] == version or (isinstance(k[0], tuple) and k[0][0] == version)]:
             self._remove(key)
 
     def _remove(self, key) -> None:
