@@ -91,9 +91,13 @@ def run(args) -> None:
     one = PeftModel.from_pretrained(shell(), paths[0]).eval()
     grouped_model = shell()
     multi = MultiLora(grouped_model)
-    nbytes = [multi.load(f"u{i}", read_adapter(p)) for i, p in enumerate(paths)]
+    nbytes, load_s = [], []
+    for i, p in enumerate(paths):
+        t0 = time.perf_counter()
+        nbytes.append(multi.load(f"u{i}", read_adapter(p)))  # what load_user_adapter does
+        load_s.append(time.perf_counter() - t0)
     print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context}, rank {args.rank}, "
-          f"{nbytes[0] / 2**20:.1f} MiB per adapter")
+          f"{nbytes[0] / 2**20:.1f} MiB per adapter, loaded in {statistics.median(load_s):.3f} s (median)")
     print(f"{'rows':>5} {'one adapter tok/s':>18} {'grouped tok/s':>14} {'ratio':>6} {'apart tok/s':>12} {'ratio':>6}")
     for rows in args.batches:
         apart_models = [PeftModel.from_pretrained(shell(), p).eval() for p in paths[:rows]]
