@@ -90,7 +90,16 @@ def fake_sglang(original: bool = True) -> tuple[FastAPI, list[tuple[str, dict]]]
     async def lora(request: Request):
         body = await request.json()
         seen.append(("/load_lora_adapter", body))
+        if "broken" in body["lora_path"]:  # SGLang's LoadLoRAAdapterReqOutput on a failed load
+            return JSONResponse({"success": False, "error_message": "Failed to load LoRA adapter",
+                                 "loaded_adapters": {}}, status_code=400)
         return {"success": True, "error_message": "", "loaded_adapters": {body["lora_name"]: body["lora_path"]}}
+
+    @app.post("/unload_lora_adapter")
+    async def unload(request: Request):
+        body = await request.json()
+        seen.append(("/unload_lora_adapter", body))
+        return {"success": True, "error_message": "", "loaded_adapters": {}}
 
     return app, seen
 
@@ -208,3 +217,34 @@ def test_logprobs_kind_thresholds():
     assert _logprobs_kind(raw, raw + 0.004) == "raw"
     assert _logprobs_kind(raw, scaled) == "scaled" and scaled > raw + 0.1
     assert _logprobs_kind(-1e-5, -1e-6) is None  # a sure top token tells nothing
+
+
+def test_users_adapters_are_loaded_named_per_request_and_unloaded_when_replaced(sglang_server, tiny_model_dir,
+                                                                               tmp_path):
+    """Issue #29 on SGLang: each user's adapter version is its own LoRA in SGLang, named in that
+    user's requests only; a replaced one is unloaded; a refused one changes nothing."""
+    from clawflow.serving.generation import AdapterError, SamplingParams
+    from clawflow.serving.sglang import SGLangEngine
+
+    url, seen = sglang_server
+    engine = SGLangEngine(url, tiny_model_dir)
+    params = SamplingParams(max_new_tokens=4)
+    try:
+        def sent_lora(user):
+            engine.generate([1, 2, 3], params, user=user)
+            return [b for r, b in seen if r == "/generate"][-1].get("lora_path")
+
+        first = engine.load_user_adapter("alice", str(tmp_path / "alice-v1"))
+        assert seen[-1] == ("/load_lora_adapter", {"lora_name": first["lora_name"], "lora_path": str(tmp_path / "alice-v1")})
+        assert sent_lora("alice") == first["lora_name"] and sent_lora("bob") is None and sent_lora(None) is None
+        second = engine.load_user_adapter("alice", str(tmp_path / "alice-v2"))
+        assert second["lora_name"] != first["lora_name"]
+        assert ("/unload_lora_adapter", {"lora_name": first["lora_name"]}) in seen
+        assert sent_lora("alice") == second["lora_name"] and engine.user_adapter("alice") == str(tmp_path / "alice-v2")
+        with pytest.raises(AdapterError, match="Failed to load LoRA adapter"):
+            engine.load_user_adapter("alice", str(tmp_path / "broken"))
+        assert sent_lora("alice") == second["lora_name"]
+        engine.unload_user_adapter("alice")
+        assert ("/unload_lora_adapter", {"lora_name": second["lora_name"]}) in seen and sent_lora("alice") is None
+    finally:
+        engine.close()

@@ -34,8 +34,7 @@ import torch
 from clawflow.policy.loader import adapter_base, is_adapter
 from clawflow.serving.batcher import Batcher
 from clawflow.serving.engine_protocol import EngineStats
-from clawflow.serving.generation import Generation, ReloadError, SamplingParams, TokenCallback
-from clawflow.serving.multi_lora import AdapterError
+from clawflow.serving.generation import AdapterError, Generation, ReloadError, SamplingParams, TokenCallback
 from clawflow.serving.rewarm import SLICE_S, YIELD_S
 
 log = logging.getLogger("clawflow.engine")

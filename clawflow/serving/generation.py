@@ -41,3 +41,8 @@ class QueueFull(RuntimeError):
 
 class ReloadError(RuntimeError):
     """The checkpoint could not be loaded; the serving weights are unchanged."""
+
+
+class AdapterError(ValueError):
+    """A user's adapter that cannot be served (unreadable, or not applicable exactly); nothing changed.
+    The message is one line."""

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
+from clawflow.serving.generation import AdapterError
+
+__all__ = ["AdapterError", "LoraDelta", "MultiLora", "read_adapter"]
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # peft's prefix on every saved key
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be applied exactly; the message is one line."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ Reload is `/update_weights_from_disk` with `weight_version`; a LoRA adapter dire
 with `/load_lora_adapter` and named in later requests' `lora_path`. A request's version is the
 `weight_version` SGLang reports for it; SGLang by default waits for in-flight requests before it
 swaps weights, so a reply is never a mix.
+
+Users' own adapters (issue #29), as the embedded engine's `load_user_adapter`: each version is
+loaded with `/load_lora_adapter` under its own name (`user-<name>-<n>`) and a user's requests name
+it in `lora_path`; SGLang batches rows of different adapters itself. A replaced version is
+unloaded (`/unload_lora_adapter`) once none of the requests this gateway sent with it is running.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from clawflow.serving.engine_protocol import EngineStats
-from clawflow.serving.generation import Generation, QueueFull, ReloadError, SamplingParams, TokenCallback
+from clawflow.serving.generation import AdapterError, Generation, QueueFull, ReloadError, SamplingParams, TokenCallback
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,11 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         # "raw" | "scaled" | None (not measured yet: the server was unreachable or the probe undecided)
         self.logprobs_kind: str | None = None
         self._check_lock = threading.Lock()
+        # users' adapters: user -> (lora name, path); requests running per lora name; names to unload
+        self._users: dict[str, tuple[str, str]] = {}
+        self._running: dict[str, int] = {}
+        self._retiring: set[str] = set()
+        self._loads = 0
         self.check_logprobs()
 
     # -- the engine interface (engine_protocol.Engine) --------------------------------------
@@ -82,17 +92,51 @@ class SGLangEngine:  # an `engine_protocol.Engine`
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Future:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+               user: str | None = None) -> Future:
         with self._lock:
             if self._outstanding >= self._limit:
                 raise QueueFull(f"server busy: {self._outstanding} requests outstanding")
             self._outstanding += 1
-        fut = self._pool.submit(self._generate, list(prompt_ids), params, on_token)
-        fut.add_done_callback(lambda _: self._release())
+            mine = self._users.get(user) if user is not None else None
+            lora = (mine[0], self._version) if mine is not None else self._lora  # pinned now
+            if mine is not None:
+                self._running[mine[0]] = self._running.get(mine[0], 0) + 1
+        fut = self._pool.submit(self._generate, list(prompt_ids), params, on_token, lora)
+        fut.add_done_callback(lambda _: self._release(mine[0] if mine is not None else None))
         return fut
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None) -> Generation:
-        return self.submit(prompt_ids, params, on_token).result()
+    def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,
+                 user: str | None = None) -> Generation:
+        return self.submit(prompt_ids, params, on_token, user).result()
+
+    def load_user_adapter(self, user: str, path: str) -> dict:
+        """`user`'s requests from now on name the adapter at `path`; an AdapterError changes nothing."""
+        import time
+
+        t0 = time.perf_counter()
+        with self._lock:
+            self._loads += 1
+            name = f"user-{user}-{self._loads}"
+        self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, AdapterError)
+        with self._lock:
+            old = self._users.get(user)
+            self._users[user] = (name, str(path))
+            if old is not None:
+                self._retiring.add(old[0])
+        self._unload_unused()
+        return {"user": user, "path": str(path), "lora_name": name, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def unload_user_adapter(self, user: str) -> None:
+        with self._lock:
+            old = self._users.pop(user, None)
+            if old is not None:
+                self._retiring.add(old[0])
+        self._unload_unused()
+
+    def user_adapter(self, user: str | None) -> str | None:
+        mine = self._users.get(user) if user is not None else None
+        return mine[1] if mine is not None else None
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Logprobs of a fixed reply: a 1-token generate that returns the input's logprobs."""
@@ -148,9 +192,27 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         return float(self._post("/generate", body)["meta_info"]["output_top_logprobs"][0][0][0])
 
     # -- HTTP --------------------------------------------------------------------------------
-    def _release(self) -> None:
+    def _release(self, lora_name: str | None = None) -> None:
         with self._lock:
             self._outstanding -= 1
+            if lora_name is not None:
+                self._running[lora_name] -= 1
+        if lora_name is not None:
+            self._unload_unused()
+
+    def _unload_unused(self) -> None:
+        """Unload replaced user adapters no request of ours is running with (best effort: a failure
+        leaves one unused adapter loaded in SGLang, and is logged)."""
+        with self._lock:
+            idle = [n for n in self._retiring if not self._running.get(n)]
+            self._retiring.difference_update(idle)
+            for n in idle:
+                self._running.pop(n, None)
+        for name in idle:
+            try:
+                self._post("/unload_lora_adapter", {"lora_name": name})
+            except RuntimeError as exc:
+                log.warning("could not unload replaced adapter %s: %s", name, exc)
 
     def _lora_field(self, lora: tuple[str, int] | None = None) -> dict:
         lora = lora or self._lora
@@ -163,19 +225,21 @@ class SGLangEngine:  # an `engine_protocol.Engine`
             raise error(f"SGLang server {self.url} unreachable: {exc}") from exc
         out = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
         if r.status_code != 200 or out.get("success") is False:
-            raise error(f"SGLang {route} failed ({r.status_code}): {out.get('message') or r.text[:200]}")
+            raise error(f"SGLang {route} failed ({r.status_code}): "
+                        f"{out.get('message') or out.get('error_message') or r.text[:200]}")
         return out
 
-    def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None) -> Generation:
+    def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None,
+                  lora: tuple[str, int] | None) -> Generation:
         if self.logprobs_kind is None:  # SGLang was not up when the gateway started
             self.check_logprobs()
-        version, lora = self._version, self._lora  # SGLang's own weight_version wins when it reports one
+        version = self._version  # SGLang's own weight_version wins when it reports one
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop": params.stop or None, "no_stop_trim": False}
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
         body = {"input_ids": prompt_ids, "sampling_params": sampling, "return_logprob": True, "stream": True,
-                "top_logprobs_num": params.top_logprobs, **self._lora_field(lora)}
+                "top_logprobs_num": params.top_logprobs, **({"lora_path": lora[0]} if lora else {})}
         ids: list[int] = []
         lps: list[float] = []
         tops: list[list[tuple[int, float]]] = []
