@@ -118,3 +118,23 @@ def test_users_adapters_need_a_base_policy(tiny_model_dir, adapters):
         assert Reply(engine.generate(PROMPTS[0], GREEDY, user="alice")) == Reply(engine.generate(PROMPTS[0], GREEDY))
     finally:
         engine.close()
+
+
+def test_the_least_recently_used_adapter_is_dropped_and_loaded_again_on_its_next_request(tiny_model_dir, adapters,
+                                                                                          alone):
+    engine = TorchEngine(tiny_model_dir, threads=1, max_loaded_adapters=2)
+    try:
+        engine.load_user_adapter("alice", str(adapters["a0"]))
+        engine.load_user_adapter("bob", str(adapters["a1"]))
+        assert _interleaved(engine, ["bob"])["bob"] == alone["a1"]  # bob used last: alice is the LRU
+        engine.load_user_adapter("dave", str(adapters["a2"]))
+        multi = engine._policy.model.clawflow_multi_lora
+        _interleaved(engine, [None])  # a pass of the decode loop drops what was retired
+        assert {key[0] for key in multi.keys()} == {"bob", "dave"}
+        assert engine.user_adapter("alice") == str(adapters["a0"])  # still hers, not held
+        got = _interleaved(engine, ["alice", "dave"])  # alice's comes back; bob, now the LRU, goes
+        assert got["alice"] == alone["a0"] and got["dave"] == alone["a2"]
+        assert {key[0] for key in multi.keys()} == {"alice", "dave"}
+        assert _interleaved(engine, ["bob"])["bob"] == alone["a1"]
+    finally:
+        engine.close()

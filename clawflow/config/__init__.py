@@ -128,6 +128,10 @@ class ServingConfig(_Strict):
     # a shorter prompt is not re-warmed: prefilled on demand it costs its turn a fraction of a second,
     # while re-warming the learning bench's 165 short conversation prompts held each reload 26 s
     rewarm_min_tokens: int = Field(256, ge=0)
+    # torch engine: users' own adapters held at once (serving/multi_lora.py, ~19 MiB each for
+    # SmolLM2-135M at r 16); loading one more drops the least recently used user's, whose next
+    # request loads it again (~0.04 s)
+    max_loaded_adapters: int = Field(32, ge=1)
     # torch engine's dtype. float32 by default: the eval gate measures a candidate's helpfulness in
     # fp32, and SmolLM2-135M's greedy answers state 0.753 of the gate's facts in bf16-weights vs 0.802
     # in fp32 (the gate's whole margin), so only fp32 serves what the gate promoted.

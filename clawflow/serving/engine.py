@@ -52,7 +52,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
                  max_batch: int = 32, max_queue: int = 64, prefix_cache_tokens: int = 8192,
                  prefix_cache_min_tokens: int = 16, rewarm_tokens: int = 8192, rewarm_max_s: float = 60.0,
                  prefill_chunk_tokens: int = 512, linear_kernel: str = "auto", rewarm_slice_s: float = SLICE_S,
-                 rewarm_yield_s: float = YIELD_S, rewarm_min_tokens: int = 0):
+                 rewarm_yield_s: float = YIELD_S, rewarm_min_tokens: int = 0, max_loaded_adapters: int = 32):
         from transformers import AutoTokenizer
 
         if threads:
@@ -76,6 +76,10 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self._user_adapters: dict[str, tuple[tuple, dict, str]] = {}
         self._adapter_loads = 0
         self._retiring: list[tuple[Any, tuple]] = []  # (model, key) replaced, dropped once no request uses it
+        # at most this many users' adapters held; the least recently used is dropped, its path kept
+        self.max_loaded_adapters = max_loaded_adapters
+        self._last_used: dict[str, float] = {}
+        self._evicted: dict[str, str] = {}  # user -> the adapter path to load again on their next request
         self.eos_ids = self._eos_ids()
         self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens,
                                prefill_chunk_tokens, rewarm_slice_s, rewarm_yield_s)
@@ -207,15 +211,25 @@ class TorchEngine:  # an `engine_protocol.Engine`
             nbytes = self._multi(model).load(key, deltas)
             old = self._user_adapters.get(user)
             self._user_adapters[user] = (key, deltas, str(path))
-            self._serving = (self._policy, self._table())
+            self._evicted.pop(user, None)
+            self._last_used[user] = time.monotonic()
             if old is not None:
                 self._retiring.append((model, old[0]))
+            while len(self._user_adapters) > self.max_loaded_adapters:  # the least recently used goes
+                lru = min((u for u in self._user_adapters if u != user), key=lambda u: self._last_used.get(u, 0.0))
+                gone = self._user_adapters.pop(lru)
+                self._evicted[lru] = gone[2]
+                self._retiring.append((model, gone[0]))
+                log.info("dropped %s's adapter (serving.max_loaded_adapters %d); their next request loads it",
+                         lru, self.max_loaded_adapters)
+            self._serving = (self._policy, self._table())
         return {"user": user, "path": str(path), "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
 
     def unload_user_adapter(self, user: str) -> None:
         """`user`'s requests go back to the shared policy; in-flight ones finish on the adapter."""
         with self._reload_lock:
             old = self._user_adapters.pop(user, None)
+            self._evicted.pop(user, None)
             self._serving = (self._policy, self._table())
             if old is not None:
                 self._retiring.append((self._policy.model, old[0]))
@@ -233,7 +247,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
     def user_adapter(self, user: str | None) -> str | None:
         """The path of the adapter `user`'s requests decode with, None for the shared policy."""
         entry = self._user_adapters.get(user) if user is not None else None
-        return entry[2] if entry is not None else None
+        return entry[2] if entry is not None else self._evicted.get(user) if user is not None else None
 
     def _rewarm(self, policy: _Policy) -> dict | None:
         """Prefill the hottest cached prompts on `policy` and stage their KV for the swap; never raises."""
@@ -280,7 +294,16 @@ class TorchEngine:  # an `engine_protocol.Engine`
                user: str | None = None):
         """Queue a request for the decode loop; a `concurrent.futures.Future` of its `Generation`.
         Raises `batcher.QueueFull` when the waiting queue is at its bound. `on_token` runs on the
-        decode thread: keep it cheap. `user`: decode with that user's adapter, if one is loaded."""
+        decode thread: keep it cheap. `user`: decode with that user's adapter, if they have one (an
+        adapter dropped for `max_loaded_adapters` is loaded again first, on the caller's thread)."""
+        if user is not None and user in self._user_adapters:
+            self._last_used[user] = time.monotonic()
+        elif user is not None and (path := self._evicted.get(user)) is not None:
+            try:
+                self.load_user_adapter(user, path)
+            except AdapterError as exc:  # gone or broken since: the shared policy answers, and says why
+                log.warning("cannot load %s's adapter again (%s); serving the shared policy", user, exc)
+                self._evicted.pop(user, None)
         return self.batcher.submit(prompt_ids, params, on_token, user=user)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None = None,

@@ -52,6 +52,7 @@ def build_app(cfg: Config):
                              prefix_cache_min_tokens=s.prefix_cache_min_tokens,
                              rewarm_tokens=s.rewarm_tokens, rewarm_max_s=s.rewarm_max_s,
                              rewarm_min_tokens=s.rewarm_min_tokens,
+                             max_loaded_adapters=s.max_loaded_adapters,
                              prefill_chunk_tokens=s.prefill_chunk_tokens, linear_kernel=s.linear_kernel)
     writer, sealer = open_store(cfg.home, cfg.store)
     gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
