@@ -54,6 +54,13 @@ def make_adapters(base_dir: str, n: int, rank: int, out: Path) -> list[Path]:
     return paths
 
 
+def _rss() -> int:
+    """This process's resident memory in bytes (Linux)."""
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _decode_state(model, rows: int, context: int):
     from clawflow.serving.kv_cache import new_cache
 
@@ -92,12 +99,14 @@ def run(args) -> None:
     grouped_model = shell()
     multi = MultiLora(grouped_model)
     nbytes, load_s = [], []
+    rss0 = _rss()
     for i, p in enumerate(paths):
         t0 = time.perf_counter()
         nbytes.append(multi.load(f"u{i}", read_adapter(p)))  # what load_user_adapter does
         load_s.append(time.perf_counter() - t0)
-    print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context}, rank {args.rank}, "
-          f"{nbytes[0] / 2**20:.1f} MiB per adapter, loaded in {statistics.median(load_s):.3f} s (median)")
+    print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context}, rank {args.rank}: "
+          f"{nbytes[0] / 2**20:.1f} MiB of tensors per adapter, RSS +{(_rss() - rss0) / len(paths) / 2**20:.1f} MiB "
+          f"per loaded adapter ({len(paths)} loaded), loaded in {statistics.median(load_s):.3f} s (median)")
     print(f"{'rows':>5} {'one adapter tok/s':>18} {'grouped tok/s':>14} {'ratio':>6} {'apart tok/s':>12} {'ratio':>6}")
     for rows in args.batches:
         apart_models = [PeftModel.from_pretrained(shell(), p).eval() for p in paths[:rows]]
