@@ -132,6 +132,47 @@ def run(args) -> None:
         tps = {k: rows / statistics.median(v[1:]) for k, v in times.items()}  # the first step warms up
         print(f"{rows:>5} {tps['one']:>18.1f} {tps['grouped']:>14.1f} {tps['grouped'] / tps['one']:>6.2f} "
               f"{tps['apart']:>12.1f} {tps['apart'] / tps['one']:>6.2f}")
+    reload_check(grouped_model, multi, paths, min(8, top), args)
+
+
+def reload_check(model, multi, paths: list[Path], rows: int, args) -> None:
+    """The other users' decode steps while one user's adapter is loaded again and again on another
+    thread (what load_user_adapter does beside the decode loop), against the same steps without."""
+    import threading
+
+    from clawflow.serving.multi_lora import read_adapter
+
+    keys = [f"u{i}" for i in range(rows)]
+    cache = _decode_state(model, rows, args.context)
+    stop, loads = threading.Event(), [0]
+
+    def reloading():
+        while not stop.is_set():
+            key = f"again-{loads[0]}"
+            multi.load(key, read_adapter(paths[0]))
+            multi.unload(key)
+            loads[0] += 1
+
+    times: dict[str, list[float]] = {"quiet": [], "reloading": []}
+    at = args.context
+    with torch.inference_mode():
+        for phase in ["quiet", "reloading", "quiet", "reloading"]:
+            worker = threading.Thread(target=reloading) if phase == "reloading" else None
+            if worker:
+                stop.clear()
+                worker.start()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                with multi.route(keys):
+                    _fused_step(model, cache, rows, at)
+                times[phase].append(time.perf_counter() - t0)
+                at += 1
+            if worker:
+                stop.set()
+                worker.join()
+    quiet, busy = statistics.median(times["quiet"]), statistics.median(times["reloading"])
+    print(f"{rows} rows on {rows} adapters: a step {quiet * 1000:.0f} ms, {busy * 1000:.0f} ms while another "
+          f"adapter was loaded {loads[0]} times beside it ({busy / quiet:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> None:

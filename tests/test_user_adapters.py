@@ -97,8 +97,10 @@ def test_interleaved_users_each_get_their_own_adapter(tiny_model_dir, adapters, 
         got = _interleaved(engine, ["alice", "bob", "carol"])
         assert got["alice"] == alone["a2"] and got["bob"] == alone["a1"] and got["carol"] == before
 
-        # the shared weights reloaded: every user's adapter rides on to them
-        engine.reload(tiny_model_dir, 1)
+        # the shared weights reloaded while a replaced adapter still waits to be dropped: every user's
+        # adapter rides on, and the re-warm is not held up by the drop (which waits for the reload)
+        engine.load_user_adapter("alice", str(adapters["a2"]))
+        assert engine.reload(tiny_model_dir, 1) < 20 and engine.last_rewarm["ok"] and engine.last_rewarm["prompts"]
         got = _interleaved(engine, ["alice", "bob", "carol"])
         assert got["alice"] == alone["a2"] and got["bob"] == alone["a1"] and got["carol"] == before
 

@@ -235,14 +235,17 @@ class TorchEngine:  # an `engine_protocol.Engine`
                 self._retiring.append((self._policy.model, old[0]))
 
     def _retire(self, in_use: set) -> None:
-        """Drop replaced adapters no admitted request decodes with (the decode loop calls it)."""
-        if not self._retiring:
+        """Drop replaced adapters no admitted request decodes with (the decode loop calls it). Never
+        waits for the lock: a reload holds it while this very thread re-warms, so it retires later."""
+        if not self._retiring or not self._reload_lock.acquire(blocking=False):
             return
-        with self._reload_lock:
+        try:
             for model, key in list(self._retiring):
                 if key not in in_use:
                     getattr(model, "clawflow_multi_lora").unload(key)
                     self._retiring.remove((model, key))
+        finally:
+            self._reload_lock.release()
 
     def user_adapter(self, user: str | None) -> str | None:
         """The path of the adapter `user`'s requests decode with, None for the shared policy."""
