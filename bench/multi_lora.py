@@ -136,43 +136,34 @@ def run(args) -> None:
 
 
 def reload_check(model, multi, paths: list[Path], rows: int, args) -> None:
-    """The other users' decode steps while one user's adapter is loaded again and again on another
-    thread (what load_user_adapter does beside the decode loop), against the same steps without."""
+    """A turn of the other users (`args.steps` decode steps of `rows` rows on their own adapters) while
+    one user's adapter is loaded beside it on another thread, as `load_user_adapter` runs beside the
+    decode loop, against the same turn without; alternated, 3 of each."""
     import threading
 
     from clawflow.serving.multi_lora import read_adapter
 
     keys = [f"u{i}" for i in range(rows)]
     cache = _decode_state(model, rows, args.context)
-    stop, loads = threading.Event(), [0]
-
-    def reloading():
-        while not stop.is_set():
-            key = f"again-{loads[0]}"
-            multi.load(key, read_adapter(paths[0]))
-            multi.unload(key)
-            loads[0] += 1
-
-    times: dict[str, list[float]] = {"quiet": [], "reloading": []}
+    times: dict[str, list[float]] = {"quiet": [], "reload": []}
     at = args.context
     with torch.inference_mode():
-        for phase in ["quiet", "reloading", "quiet", "reloading"]:
-            worker = threading.Thread(target=reloading) if phase == "reloading" else None
-            if worker:
-                stop.clear()
+        for i, phase in enumerate(["quiet", "reload"] * 3):
+            worker = threading.Thread(target=lambda k=f"again-{i}": multi.load(k, read_adapter(paths[0])))
+            t0 = time.perf_counter()
+            if phase == "reload":
                 worker.start()
             for _ in range(args.steps):
-                t0 = time.perf_counter()
                 with multi.route(keys):
                     _fused_step(model, cache, rows, at)
-                times[phase].append(time.perf_counter() - t0)
                 at += 1
-            if worker:
-                stop.set()
+            if phase == "reload":
                 worker.join()
-    quiet, busy = statistics.median(times["quiet"]), statistics.median(times["reloading"])
-    print(f"{rows} rows on {rows} adapters: a step {quiet * 1000:.0f} ms, {busy * 1000:.0f} ms while another "
-          f"adapter was loaded {loads[0]} times beside it ({busy / quiet:.2f}x)")
+                multi.unload(f"again-{i}")
+            times[phase].append(time.perf_counter() - t0)
+    quiet, busy = statistics.median(times["quiet"]), statistics.median(times["reload"])
+    print(f"{rows} rows on {rows} adapters, a turn of {args.steps} steps: {quiet:.2f} s, {busy:.2f} s with one "
+          f"adapter loaded beside it ({busy / quiet:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> None:
