@@ -235,7 +235,8 @@ def test_users_adapters_are_loaded_named_per_request_and_unloaded_when_replaced(
             return [b for r, b in seen if r == "/generate"][-1].get("lora_path")
 
         first = engine.load_user_adapter("alice", str(tmp_path / "alice-v1"))
-        assert seen[-1] == ("/load_lora_adapter", {"lora_name": first["lora_name"], "lora_path": str(tmp_path / "alice-v1")})
+        assert seen[-1] == ("/load_lora_adapter",
+                            {"lora_name": first["lora_name"], "lora_path": str(tmp_path / "alice-v1")})
         assert sent_lora("alice") == first["lora_name"] and sent_lora("bob") is None and sent_lora(None) is None
         second = engine.load_user_adapter("alice", str(tmp_path / "alice-v2"))
         assert second["lora_name"] != first["lora_name"]

@@ -339,8 +339,9 @@ class Batcher:
         caches = [c.cache for c in chunks] + ([batch.cache] if batch is not None else [])
         before = [(len(c.layers), [(layer.keys, layer.values) for layer in c.layers]) for c in caches]
         decoding = batch.rows if batch is not None else []
+        counts = [1] * len(decoding) + [len(c.ids) for c in chunks]  # a decode row is one row, a chunk its tokens
         try:
-            with _route(policy, [r.adapter for r in decoding + riders], [1] * len(decoding) + [len(c.ids) for c in chunks]):
+            with _route(policy, [r.adapter for r in decoding + riders], counts):
                 if batch is None:
                     none = torch.zeros(0, dtype=torch.long)
                     _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)

@@ -67,7 +67,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self._bases: dict[str, Any] = {}  # LoRA: base directory -> its model, shared by adapter versions
         # what new requests pin, swapped as one reference: the policy and which key each user's adapter
         # has on its model (a request must never read one without the other)
-        self._serving: tuple[_Policy, dict[str, tuple]] = (_Policy(self._load(model_path), version, str(model_path)), {})
+        first = _Policy(self._load(model_path), version, str(model_path))
+        self._serving: tuple[_Policy, dict[str, tuple]] = (first, {})
         self._reload_lock = threading.Lock()
         self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
         self.rewarm_min_tokens = rewarm_min_tokens  # shorter prompts are prefilled on demand

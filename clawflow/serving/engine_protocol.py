@@ -48,12 +48,24 @@ class Engine(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_token: TokenCallback | None = None) -> Future[Generation]:
-        """Queue a request; raises `QueueFull` at the engine's bound, before anything is decoded."""
+               on_token: TokenCallback | None = None, user: str | None = None) -> Future[Generation]:
+        """Queue a request; raises `QueueFull` at the engine's bound, before anything is decoded.
+        `user`: decode with that user's own adapter when one is loaded (else the shared policy)."""
         ...
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 on_token: TokenCallback | None = None) -> Generation: ...
+                 on_token: TokenCallback | None = None, user: str | None = None) -> Generation: ...
+
+    def load_user_adapter(self, user: str, path: str) -> dict:
+        """`user`'s requests from now on decode with the LoRA adapter at `path`; raises
+        `AdapterError` and changes nothing when it cannot be served."""
+        ...
+
+    def unload_user_adapter(self, user: str) -> None: ...
+
+    def user_adapter(self, user: str | None) -> str | None:
+        """The path of the adapter `user`'s requests decode with; None: the shared policy."""
+        ...
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Log-probabilities of a fixed reply under the serving policy."""
