@@ -46,6 +46,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,7 +71,7 @@ class _Owner(Protocol):
 
     def _pin(self, user: str | None) -> tuple[Any, Any]: ...  # (policy, key of the user's adapter or None)
 
-    def _retire(self, in_use: set) -> None: ...  # drop replaced adapters no admitted request uses
+    def _retire(self, in_use: Callable[[], set]) -> None: ...  # drop replaced adapters no request uses
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -218,6 +219,11 @@ class Batcher:
                 if self._rewarm is job:
                     self._rewarm = None
 
+    def _adapters_in_use(self) -> set:
+        """The adapter keys admitted or waiting requests decode with."""
+        with self._cv:
+            return {row.adapter for row in self._live() if row.adapter is not None}
+
     def _live(self) -> list[_Row]:
         """Requests waiting, prefilling or decoding (call holding `_cv`: `_waiting` is shared)."""
         return [*self._waiting, *self._prefilling, *(row for b in self._batches.values() for row in b.rows)]
@@ -256,9 +262,7 @@ class Batcher:
                             self.prefix.drop_version(version)  # and so is its KV
                 if self._rewarm is not None:  # a chunk at most per iteration: the old version keeps serving
                     self._rewarm_step()
-                with self._cv:
-                    in_use = {row.adapter for row in self._live() if row.adapter is not None}
-                self.engine._retire(in_use)
+                self.engine._retire(self._adapters_in_use)
 
     def _guard(self, rows: list[_Row], fn) -> None:
         try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,23 +236,26 @@ class TorchEngine:  # an `engine_protocol.Engine`
             if old is not None:
                 self._retiring.append((self._policy.model, old[0]))
 
-    def _retire(self, in_use: set) -> None:
-        """Drop replaced adapters no admitted request decodes with (the decode loop calls it). Never
-        waits for the lock: a reload holds it while this very thread re-warms, so it retires later."""
+    def _retire(self, in_use: Callable[[], set]) -> None:
+        """Drop replaced adapters no request decodes with (the decode loop calls it each iteration;
+        `in_use` is asked only when something waits to be dropped). Never waits for the lock: a
+        reload holds it while this very thread re-warms, so it retires later."""
         if not self._retiring or not self._reload_lock.acquire(blocking=False):
             return
         try:
+            used = in_use()
             for model, key in list(self._retiring):
-                if key not in in_use:
-                    getattr(model, "clawflow_multi_lora").unload(key)
+                if key not in used:
+                    model.clawflow_multi_lora.unload(key)
                     self._retiring.remove((model, key))
         finally:
             self._reload_lock.release()
 
     def user_adapter(self, user: str | None) -> str | None:
         """The path of the adapter `user`'s requests decode with, None for the shared policy."""
-        entry = self._user_adapters.get(user) if user is not None else None
-        return entry[2] if entry is not None else self._evicted.get(user) if user is not None else None
+        if user in self._user_adapters:
+            return self._user_adapters[user][2]
+        return self._evicted.get(user)  # dropped for max_loaded_adapters: loaded again on their next request
 
     def _rewarm(self, policy: _Policy) -> dict | None:
         """Prefill the hottest cached prompts on `policy` and stage their KV for the swap; never raises."""

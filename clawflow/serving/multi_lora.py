@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from clawflow.policy.loader import ADAPTER_CONFIG  # the trainer's adapter directories
 from clawflow.serving.generation import AdapterError
 
 __all__ = ["AdapterError", "LoraDelta", "MultiLora", "read_adapter"]
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # peft's prefix on every saved key
 
