@@ -3,7 +3,9 @@
 On SmolLM2-135M (the default model, fp32), B decode rows over a KV cache of --context tokens, each
 step timed, the variants interleaved round by round so a busy machine slows them alike:
 
-- `one adapter`: today's engine, every row on the one served adapter (peft, unmerged): the baseline;
+- `one adapter`: every row on the one served adapter, with peft (unmerged): the baseline;
+- `shared, per row`: the same adapter as the default of a MultiLora, every row naming none: how the
+  engine serves a LoRA shared policy, so that users' own adapters can replace it row by row;
 - `grouped, B adapters`: clawflow/serving/multi_lora.py, every row on its own adapter, one forward;
 - `apart, B adapters`: what serving B users costs without grouping: one forward per adapter
   (peft, one row each), the base weights read B times.
@@ -98,6 +100,10 @@ def run(args) -> None:
     one = PeftModel.from_pretrained(shell(), paths[0]).eval()
     grouped_model = shell()
     multi = MultiLora(grouped_model)
+    shared_model = shell()
+    shared_multi = MultiLora(shared_model)
+    shared_multi.load("shared", read_adapter(paths[0]))
+    shared_multi.default = "shared"
     nbytes, load_s = [], []
     rss0 = _rss()
     for i, p in enumerate(paths):
@@ -107,21 +113,26 @@ def run(args) -> None:
     print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context}, rank {args.rank}: "
           f"{nbytes[0] / 2**20:.1f} MiB of tensors per adapter, RSS +{(_rss() - rss0) / len(paths) / 2**20:.1f} MiB "
           f"per loaded adapter ({len(paths)} loaded), loaded in {statistics.median(load_s):.3f} s (median)")
-    print(f"{'rows':>5} {'one adapter tok/s':>18} {'grouped tok/s':>14} {'ratio':>6} {'apart tok/s':>12} {'ratio':>6}")
+    print(f"{'rows':>5} {'one adapter tok/s':>18} {'shared, per row':>16} {'ratio':>6} {'grouped tok/s':>14} "
+          f"{'ratio':>6} {'apart tok/s':>12} {'ratio':>6}")
     for rows in args.batches:
         apart_models = [PeftModel.from_pretrained(shell(), p).eval() for p in paths[:rows]]
         caches = {"one": _decode_state(one, rows, args.context),
+                  "shared": _decode_state(shared_model, rows, args.context),
                   "grouped": _decode_state(grouped_model, rows, args.context),
                   "apart": [_decode_state(m, 1, args.context) for m in apart_models]}
-        times: dict[str, list[float]] = {"one": [], "grouped": [], "apart": []}
+        times: dict[str, list[float]] = {"one": [], "shared": [], "grouped": [], "apart": []}
         keys = [f"u{i}" for i in range(rows)]
         with torch.inference_mode():
             for step in range(args.steps):
                 at = args.context + step
-                for name in itertools.islice(itertools.cycle(["one", "grouped", "apart"]), step % 3, step % 3 + 3):
+                order = ["one", "shared", "grouped", "apart"]
+                for name in itertools.islice(itertools.cycle(order), step % 4, step % 4 + 4):
                     t0 = time.perf_counter()
                     if name == "one":
                         _fused_step(one, caches["one"], rows, at)
+                    elif name == "shared":
+                        _fused_step(shared_model, caches["shared"], rows, at)
                     elif name == "grouped":
                         with multi.route(keys):
                             _fused_step(grouped_model, caches["grouped"], rows, at)
@@ -130,7 +141,8 @@ def run(args) -> None:
                             _fused_step(m, c, 1, at)
                     times[name].append(time.perf_counter() - t0)
         tps = {k: rows / statistics.median(v[1:]) for k, v in times.items()}  # the first step warms up
-        print(f"{rows:>5} {tps['one']:>18.1f} {tps['grouped']:>14.1f} {tps['grouped'] / tps['one']:>6.2f} "
+        print(f"{rows:>5} {tps['one']:>18.1f} {tps['shared']:>16.1f} {tps['shared'] / tps['one']:>6.2f} "
+              f"{tps['grouped']:>14.1f} {tps['grouped'] / tps['one']:>6.2f} "
               f"{tps['apart']:>12.1f} {tps['apart'] / tps['one']:>6.2f}")
     reload_check(grouped_model, multi, paths, min(8, top), args)
 

@@ -84,7 +84,7 @@ def test_engine_serves_the_adapter_on_its_own_weights_and_merge_matches(tiny_mod
     assert engine.policy_version == 1 and engine._policy.model is not served
     new = engine._policy.model
     assert new.get_input_embeddings().weight.data_ptr() == embed.data_ptr()  # no weight copy
-    assert not hasattr(served, "peft_config")  # the old object, still serving in-flight requests, is untouched
+    assert not hasattr(served, "clawflow_multi_lora")  # the old object, still serving in-flight requests, is untouched
     row = rows[0]
     want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                      tmp / "v1").eval()
@@ -111,10 +111,12 @@ def test_bf16_weights_engine_serves_the_adapter_in_fp32_on_bf16_base_weights(tin
     try:
         engine.reload(str(tmp / "v1"), 1)
         model = engine._policy.model
-        lora = [p for n, p in model.named_parameters() if "lora_" in n]
-        assert lora and all(p.dtype == torch.float32 for p in lora)  # the adapter as the trainer holds it
-        bases = [m.base_layer for m in model.modules() if hasattr(m, "lora_A")]
-        assert bases and all(isinstance(b, BF16Linear) and b.weight.dtype == torch.bfloat16 for b in bases)
+        multi = model.clawflow_multi_lora  # the adapter is the default of the per-row LoRA path
+        layers = [layer for layer in multi.layers.values() if multi.default in layer.deltas]
+        deltas = [layer.deltas[multi.default] for layer in layers]
+        # the adapter as the trainer holds it (fp32), on bf16 base weights
+        assert deltas and all(d.a_t.dtype == d.b_t.dtype == torch.float32 for d in deltas)
+        assert all(isinstance(x.base, BF16Linear) and x.base.weight.dtype == torch.bfloat16 for x in layers)
         want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                          tmp / "v1").eval()
         row = rows[0]
@@ -151,7 +153,8 @@ def test_lora_adapter_rides_on_the_packed_base(tiny_model_dir, lora_run):
     engine = TorchEngine(tiny_model_dir, prefix_cache_tokens=0, linear_kernel="onednn")
     try:
         engine.reload(str(tmp / "v1"), 1)
-        bases = [m.base_layer for m in engine._policy.model.modules() if hasattr(m, "lora_A")]
+        multi = engine._policy.model.clawflow_multi_lora
+        bases = [layer.base for layer in multi.layers.values() if multi.default in layer.deltas]
         assert bases and all(type(b) is PackedLinear for b in bases)
         want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                          tmp / "v1").eval()

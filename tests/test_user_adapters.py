@@ -5,6 +5,7 @@ users' replies token for token as they were."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from concurrent.futures import wait
@@ -43,11 +44,15 @@ def adapters(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def alone(tiny_model_dir, adapters):
-    """Each prompt's greedy reply from an engine serving one adapter (peft, as today), or the base."""
+def alone(tiny_model_dir, adapters, tmp_path_factory):
+    """Each prompt's greedy reply from an engine serving only the base, or one adapter merged into
+    full weights by peft (an independent reference: no LoRA path of the engine is involved)."""
+    from clawflow.train.lora import merge
+
+    merged = tmp_path_factory.mktemp("merged")
     out = {}
     for name, path in [("base", tiny_model_dir), *adapters.items()]:
-        engine = TorchEngine(str(path), threads=1)
+        engine = TorchEngine(str(path if name == "base" else merge(path, merged / name)), threads=1)
         try:
             out[name] = [Reply(engine.generate(p, GREEDY)) for p in PROMPTS]
         finally:
@@ -111,13 +116,47 @@ def test_interleaved_users_each_get_their_own_adapter(tiny_model_dir, adapters, 
         engine.close()
 
 
-def test_users_adapters_need_a_base_policy(tiny_model_dir, adapters):
-    """The shared policy being an adapter itself: a user's adapter, trained on the base, is refused."""
-    engine = TorchEngine(str(adapters["a1"]), threads=1)
+def test_a_lora_shared_policy_and_users_adapters_trained_on_the_same_base(tiny_model_dir, adapters, alone,
+                                                                            tmp_path):
+    """The shared policy is an adapter itself (the shipped LoRA recipe's champion): a user's adapter,
+    trained on the base, replaces it on that user's rows (base + theirs, not base + shared + theirs),
+    and a reload of the shared adapter moves only the rows that have none."""
+    engine = TorchEngine(str(adapters["a1"]), threads=1, max_batch=16)
     try:
-        with pytest.raises(AdapterError, match="full base weights"):
+        engine.load_user_adapter("alice", str(adapters["a0"]))
+        got = _interleaved(engine, ["alice", "carol", None])
+        assert got["alice"] == alone["a0"] and got["carol"] == got[None] == alone["a1"]
+        assert engine.score(PROMPTS[0], alone["a1"][0].ids) == pytest.approx(alone["a1"][0].logprobs, abs=1e-3)
+
+        engine.reload(str(adapters["a2"]), 2)  # the shared policy's next version
+        got = _interleaved(engine, ["alice", "carol"])
+        assert got["alice"] == alone["a0"] and got["carol"] == alone["a2"]
+
+        # an adapter trained on other weights would ride on the wrong model: refused, alice keeps hers
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(adapters["a2"], elsewhere)
+        cfg = json.loads((elsewhere / "adapter_config.json").read_text())
+        (elsewhere / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(tmp_path)}))
+        with pytest.raises(AdapterError, match="trained on"):
+            engine.load_user_adapter("alice", str(elsewhere))
+        assert _interleaved(engine, ["alice"])["alice"] == alone["a0"]
+    finally:
+        engine.close()
+
+
+def test_a_shared_adapter_served_with_peft_refuses_users_adapters(tiny_model_dir, adapters, alone, tmp_path):
+    """An adapter the per-row path cannot apply exactly (here a per-module rank) is served with peft;
+    users' adapters are then refused, with the reason, and everyone gets the shared policy."""
+    odd = tmp_path / "odd"
+    shutil.copytree(adapters["a1"], odd)
+    cfg = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": {"q_proj": cfg["r"]}}))
+    engine = TorchEngine(str(odd), threads=1)
+    try:
+        assert hasattr(engine._policy.model, "peft_config")
+        with pytest.raises(AdapterError, match="served with peft"):
             engine.load_user_adapter("alice", str(adapters["a0"]))
-        assert Reply(engine.generate(PROMPTS[0], GREEDY, user="alice")) == Reply(engine.generate(PROMPTS[0], GREEDY))
+        assert Reply(engine.generate(PROMPTS[0], GREEDY, user="alice")) == alone["a1"][0]
     finally:
         engine.close()
 

@@ -22,6 +22,7 @@ none is left. A reload of the shared weights carries every user's adapter over t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -117,24 +118,34 @@ class TorchEngine:  # an `engine_protocol.Engine`
         return model
 
     def _load_adapter(self, path: str):
-        """Base weights shared with a cached base model (never modified) + this adapter, unmerged."""
-        import copy
-        import itertools
-
+        """Base weights shared with a cached base model (never modified) + this adapter, unmerged.
+        Served as the default adapter of a MultiLora (serving/multi_lora.py), so a user's own
+        adapter, trained on the same base, replaces it on that user's rows; an adapter MultiLora
+        cannot apply exactly (DoRA, modules outside the decoder) is attached with peft instead,
+        and users' adapters are then refused."""
         from clawflow.policy.bf16_weights import fp32_adapters
         from clawflow.policy.loader import load_policy
+        from clawflow.serving.multi_lora import MultiLora, plain_copy, read_adapter
 
         base_dir = str(adapter_base(path))
         if base_dir not in self._bases:
             served = getattr(self, "_policy", None)  # serving the base itself: share its weights
             same = served is not None and Path(served.path).resolve() == Path(base_dir).resolve()
-            self._bases[base_dir] = served.model if same and not hasattr(served.model, "peft_config") \
-                else self._load(base_dir)
-        base = self._bases[base_dir]
-        shared = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
-        shell = copy.deepcopy(base, shared)  # new modules, the same weight tensors
-        model = load_policy(path, merge=False, base_model=shell).eval()
-        return fp32_adapters(model) if self.dtype == "bf16-weights" else model
+            self._bases[base_dir] = served.model if same and not is_adapter(served.path) else self._load(base_dir)
+        shell = plain_copy(self._bases[base_dir])  # new modules, the same weight tensors
+        try:
+            deltas = read_adapter(path)
+            multi = MultiLora(shell)
+            key = ("policy", str(path))
+            multi.load(key, deltas)
+        except AdapterError as exc:
+            log.info("serving %s with peft (%s); users' own adapters cannot ride on it", path, exc)
+            model = load_policy(path, merge=False, base_model=plain_copy(self._bases[base_dir])).eval()
+            return fp32_adapters(model) if self.dtype == "bf16-weights" else model
+        multi.default = key
+        shell.clawflow_multi_lora = multi  # read by the batcher's forwards
+        shell.clawflow_adapter_base = base_dir  # users' adapters must be trained on this base too
+        return shell
 
     @property
     def _policy(self) -> _Policy:
@@ -175,9 +186,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
             policy = _Policy(model, version, str(path))
             if self._user_adapters:  # every user's adapter rides on to the new shared weights
                 try:
-                    multi = self._multi(model)
-                    for key, deltas, _ in self._user_adapters.values():
-                        multi.load(key, deltas)
+                    for key, deltas, user_path in self._user_adapters.values():
+                        self._multi(model, str(path), user_path).load(key, deltas)
                 except (AdapterError, ValueError) as exc:
                     raise ReloadError(f"checkpoint {path} cannot carry the users' adapters: {exc}") from exc
             self.last_rewarm = self._rewarm(policy)
@@ -185,15 +195,20 @@ class TorchEngine:  # an `engine_protocol.Engine`
         return time.perf_counter() - t0
 
     # -- users' own adapters ------------------------------------------------------------------
-    @staticmethod
-    def _multi(model):
-        """The model's MultiLora, installed on first use (policy/loader: a plain base, not a peft model)."""
+    def _multi(self, model, model_path: str, adapter_path: str | None = None):
+        """The model's MultiLora, installed on first use; AdapterError when `adapter_path` was trained
+        on other weights than the ones served (its delta would ride on the wrong model)."""
         from clawflow.serving.multi_lora import MultiLora
 
+        if hasattr(model, "peft_config"):
+            raise AdapterError("the shared policy is served with peft (see the log); users' adapters cannot ride on it")
+        served_base = getattr(model, "clawflow_adapter_base", None) or model_path
+        if adapter_path is not None and is_adapter(adapter_path) \
+                and Path(adapter_base(adapter_path)).resolve() != Path(served_base).resolve():
+            raise AdapterError(f"adapter {adapter_path} was trained on {adapter_base(adapter_path)}, "
+                               f"the shared policy is served on {served_base}")
         multi = getattr(model, "clawflow_multi_lora", None)
         if multi is None:
-            if hasattr(model, "peft_config"):
-                raise AdapterError("users' adapters ride on full base weights; the shared policy is an adapter")
             multi = MultiLora(model)
             model.clawflow_multi_lora = multi  # read by the batcher's forwards
         return multi
@@ -210,7 +225,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             self._adapter_loads += 1
             key = (user, self._adapter_loads)
             model = self._policy.model
-            nbytes = self._multi(model).load(key, deltas)
+            nbytes = self._multi(model, self._policy.path, path).load(key, deltas)
             old = self._user_adapters.get(user)
             self._user_adapters[user] = (key, deltas, str(path))
             self._evicted.pop(user, None)
@@ -332,5 +347,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         """Log-probabilities of a fixed reply under the serving policy (evaluation, tests)."""
         from clawflow.policy.logprobs import response_logprobs
 
-        return response_logprobs(self._policy.model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
+        model = self._policy.model
+        multi = getattr(model, "clawflow_multi_lora", None)  # its default adapter, not the decode loop's rows
+        with multi.unrouted() if multi is not None else contextlib.nullcontext():
+            return response_logprobs(model, [list(prompt_ids)], [list(response_ids)])[0].tolist()
 

@@ -14,6 +14,9 @@ plain torch). The base weights are never modified, so a row with no adapter gets
 - `route(adapters, counts)` says, for the next forward, which adapter each segment of the flat rows
   uses (a decode row is one row; a prompt chunk is `count` rows). Every wrapped Linear reads it.
   It works for the fused step's flat `[N, D]` rows and for transformers' `[B, T, D]` alike.
+- `default`: the adapter of rows that name none, and of every row of a forward nobody routed. The
+  engine serves a LoRA shared policy this way, so each user's adapter (trained on the same base)
+  replaces it on that user's rows instead of stacking on it.
 
 An adapter's deltas are immutable once loaded: a reload loads the new version under a new key, so
 rows already decoding on the old version finish on it.
@@ -99,6 +102,7 @@ class _Router:
     def __init__(self) -> None:
         self.groups: list[tuple[Hashable, torch.Tensor | None]] = []  # (key, rows); rows None = all
         self.rows = 0
+        self.default: Hashable | None = None  # the adapter of rows that name none
         self.lock = threading.Lock()
 
 
@@ -116,7 +120,12 @@ class MultiLoraLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         groups = self._router.groups
-        if not groups or not self.deltas:
+        if not groups:  # not routed: every row on the default adapter, if there is one
+            d = self.deltas.get(self._router.default) if self._router.default is not None else None
+            if d is not None:
+                y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ d.a_t, d.b_t)
+            return y
+        if not self.deltas:
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         if flat_x.shape[0] != self._router.rows:
@@ -142,6 +151,28 @@ def _decoder_linears(model) -> Iterator[tuple[torch.nn.Module, str, str]]:
                 yield module, child_name, f"{name}.{child_name}"
 
 
+def plain_copy(model: Any) -> Any:
+    """New modules over the same weight tensors, with no adapter wrapped in: the engine's shell for
+    one more policy on a base it already holds (MultiLoraLinear back to its base Linear)."""
+    import copy
+    import itertools
+
+    shared: dict[int, Any] = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    multi = model.__dict__.get("clawflow_multi_lora")
+    if multi is not None:  # neither its router (a lock) nor the users' deltas are copied
+        shared[id(multi)] = None
+        for layer in multi.layers.values():
+            shared[id(layer._router)], shared[id(layer.deltas)] = None, {}
+    shell = copy.deepcopy(model, shared)
+    for parent in list(shell.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MultiLoraLinear):
+                setattr(parent, name, child.base)
+    for attr in ("clawflow_multi_lora", "clawflow_adapter_base"):
+        shell.__dict__.pop(attr, None)
+    return shell
+
+
 class MultiLora:
     """The adapters served on one base model: `load`, `unload`, and `route` for each forward."""
 
@@ -161,6 +192,17 @@ class MultiLora:
 
     def keys(self) -> set[Hashable]:
         return set(self._keys)
+
+    @property
+    def default(self) -> Hashable | None:
+        return self._router.default
+
+    @default.setter
+    def default(self, key: Hashable | None) -> None:
+        """Rows that name no adapter (and unrouted forwards) use `key`'s; None: the base alone."""
+        if key is not None and key not in self._keys:
+            raise KeyError(f"adapter not loaded: {key!r}")
+        self._router.default = key
 
     def load(self, key: Hashable, deltas: dict[str, LoraDelta]) -> int:
         """Serve `deltas` under `key` (a new key: a loaded adapter is never changed in place).
@@ -182,17 +224,29 @@ class MultiLora:
         return sum(d.nbytes for d in deltas.values())
 
     def unload(self, key: Hashable) -> None:
+        if key == self._router.default:
+            raise ValueError(f"{key!r} is the default adapter; set another default first")
         for layer in self.layers.values():
             layer.deltas.pop(key, None)
         self._keys.discard(key)
 
     @contextlib.contextmanager
+    def unrouted(self):
+        """For forwards off the decode thread (scoring): every row on the default adapter, never
+        on rows another thread routed meanwhile."""
+        with self._router.lock:
+            yield
+
+    @contextlib.contextmanager
     def route(self, adapters: Sequence[Hashable | None], counts: Sequence[int] | None = None):
         """For the forwards inside: segment i of the flat rows (`counts[i]` rows, 1 when `counts` is
-        None) uses adapter `adapters[i]`, None = the base alone. Rows are in segment order."""
+        None) uses adapter `adapters[i]`, None = the default (or the base alone when there is no
+        default). Rows are in segment order."""
         counts = [1] * len(adapters) if counts is None else list(counts)
         if len(counts) != len(adapters):
             raise ValueError("one count per adapter")
+        default = self._router.default
+        adapters = [default if a is None else a for a in adapters]
         unknown = {a for a in adapters if a is not None} - self._keys
         if unknown:
             raise KeyError(f"adapters not loaded: {sorted(map(str, unknown))}")
