@@ -14,6 +14,7 @@ from test_store_catalog import conversation, seal, write_judgments
 from typer.testing import CliRunner
 
 from clawflow.cli import app
+from clawflow.contracts.turn import SCHEMA_VERSION
 from clawflow.store.catalog import Catalog
 from clawflow.store.privacy import export_sessions, forget_session
 from clawflow.store.sealer import Sealer
@@ -111,7 +112,7 @@ def test_export_parquet_is_readable_by_any_parquet_reader(tmp_path):
     df = pd.read_parquet(tmp_path / "bob.parquet")
     assert df["turn_index"].tolist() == [0, 1, 2] and set(df["session_id"]) == {"bob"}
     assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'bob.parquet'}'").fetchall() == [(3,)]
-    assert pq.read_schema(tmp_path / "bob.parquet").metadata[b"clawflow.schema_version"] == b"3"
+    assert pq.read_schema(tmp_path / "bob.parquet").metadata[b"clawflow.schema_version"] == str(SCHEMA_VERSION).encode()
     with pytest.raises(ValueError, match="unknown export format"):
         export_sessions(cat, tmp_path / "x.csv", ["bob"], fmt="csv")
 

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_store import T0, shard_rows, turn, user, write_segment
@@ -43,7 +44,7 @@ def catalog(home: Path) -> Catalog:
 
 def test_shard_of_previous_schema_version_is_read(tmp_path):
     home = tmp_path / "home"
-    assert pq.read_schema(V1_SHARD).metadata[b"clawflow.schema_version"] == b"1" and SCHEMA_VERSION == 3
+    assert pq.read_schema(V1_SHARD).metadata[b"clawflow.schema_version"] == b"1" and SCHEMA_VERSION == 4
     assert "prompt_tokens" not in pq.read_schema(V1_SHARD).names
     seal(home, conversation("new", 2, start=10))  # a current-version shard next to it
     (partition,) = (home / "shards").iterdir()
@@ -95,10 +96,30 @@ def test_shard_of_schema_v2_reads_back_as_the_default_user(tmp_path):
     assert json.loads(pairs[2].next_state) == user("v2-a says 1")
     assert pairs[0].prompt_tokens == 3 and pairs[0].response_tokens == 2  # v2 columns as written
 
-    (merged,) = compact(cat, target_bytes=1 << 30)  # rewritten as v3, the user written down
-    assert pq.read_schema(merged.path).metadata[b"clawflow.schema_version"] == b"3"
+    (merged,) = compact(cat, target_bytes=1 << 30)  # rewritten in the current version, the user written down
+    assert pq.read_schema(merged.path).metadata[b"clawflow.schema_version"] == str(SCHEMA_VERSION).encode()
     assert sorted(pq.read_table(merged.path)["user"].to_pylist()) == ["bob"] * 2 + ["default"] * 4
     assert [(p.turn_id, p.user) for p in pending_pairs(cat, 99)] == [(p.turn_id, p.user) for p in pairs]
+
+
+def test_shard_of_schema_v3_reads_back_as_served_by_the_shared_policy(tmp_path):
+    """v4 added `adapter_version` (the user's own adapter that decoded a turn): every earlier turn was
+    decoded by the shared policy, so it reads back null, through Arrow and DuckDB alike."""
+    home = tmp_path / "home"
+    turns = conversation("mine", 2)
+    turns[0].adapter_version = 3  # a v4 turn that a user's adapter v3 decoded
+    seal(home, turns)
+    (partition,) = (home / "shards").iterdir()
+    (current,) = partition.iterdir()
+    v3 = pq.read_table(current).drop_columns(["adapter_version"])  # other turn ids: both shards are read
+    v3 = v3.set_column(0, "turn_id", pa.array([t + "-old" for t in v3["turn_id"].to_pylist()]))
+    pq.write_table(v3.replace_schema_metadata({b"clawflow.schema_version": b"3"}), partition / "old.parquet")
+    assert read_shard(partition / "old.parquet")["adapter_version"].to_pylist() == [None, None]
+    assert read_shard(current)["adapter_version"].to_pylist() == [3, None]
+    cat = catalog(home)
+    assert cat.stats()["turns"] == 4
+    (merged,) = compact(cat, target_bytes=1 << 30)
+    assert sorted(pq.read_table(merged.path)["adapter_version"].to_pylist(), key=str) == [3, None, None, None]
 
 
 def test_shard_from_a_newer_schema_is_skipped_not_read(tmp_path):

@@ -10,7 +10,9 @@ compaction rewrites them in the current version.
 History: v1 (walking skeleton); v2 adds `prompt_tokens`/`response_tokens`, so token budgets and
 stats read two small integer columns instead of the token lists; v3 adds `user`, the owner of the
 API key the turn came in with (config `serving.user`), so rows of older versions are `"default"`,
-the owner of the single key every gateway had before users existed.
+the owner of the single key every gateway had before users existed; v4 adds `adapter_version`, the
+version (in its user's registry line) of the user's own adapter that decoded the turn, null when the
+shared policy did (every row before v4), so a user's trainer knows which policy sampled it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 VERSION_KEY = b"clawflow.schema_version"
 DEFAULT_USER = "default"  # the owner of turns recorded before v3 (and config serving.user's default)
 
@@ -52,6 +54,7 @@ ARROW_SCHEMA = pa.schema(
         ("prompt_tokens", pa.int32()),  # v2
         ("response_tokens", pa.int32()),  # v2
         ("user", pa.string()),  # v3: the API key's owner
+        ("adapter_version", pa.int64()),  # v4: the user's own adapter that decoded it; null: the shared policy
     ],
     metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
@@ -67,6 +70,9 @@ ADDED: dict[int, dict[str, tuple[str, Any]]] = {
     3: {  # `user` is a keyword in SQL: quoted wherever DuckDB names it
         "user": (f"'{DEFAULT_USER}'::VARCHAR",
                  lambda t: pa.array([DEFAULT_USER] * t.num_rows, pa.string())),
+    },
+    4: {
+        "adapter_version": ("NULL::BIGINT", lambda t: pa.nulls(t.num_rows, pa.int64())),
     },
 }
 
@@ -91,6 +97,7 @@ class TurnRecord:
     session_done: bool = False
     env_reward: float | None = None
     user: str = DEFAULT_USER  # who sent it: the API key's owner (the gateway always sets it)
+    adapter_version: int | None = None  # the version of the user's own adapter that decoded it; None: shared
     turn_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -134,6 +141,7 @@ def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
         row["response_tokens"] = len(row.get("response_token_ids") or [])
     if row.get("user") is None:
         row["user"] = DEFAULT_USER
+    row.setdefault("adapter_version", None)
     return row
 
 

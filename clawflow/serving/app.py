@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from clawflow.serving.admin_users import user_adapter_routes
 from clawflow.serving.gateway import BadRequest, Gateway, TurnContext
 from clawflow.serving.generation import QueueFull, ReloadError
 from clawflow.serving.protocol import ChatCompletionRequest, error_body
@@ -226,6 +227,8 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
         if gw.engine.last_rewarm is not None:  # torch engine: what it re-warmed
             answer["rewarm"] = gw.engine.last_rewarm
         return answer
+
+    app.include_router(user_adapter_routes(gw.engine, require_admin))
 
     @app.post("/admin/seal", dependencies=[Depends(require_admin)])
     async def seal():

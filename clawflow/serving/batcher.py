@@ -470,7 +470,8 @@ class Batcher:
             row.future.set_exception(exc)
         else:
             row.future.set_result(Generation(row.out_ids, row.logprobs, row.text, row.finish,
-                                             row.policy.version, row.top))
+                                             row.policy.version, row.top,
+                                             adapter_version=row.adapter[2] if row.adapter is not None else None))
 
 
 def _prefix_key(policy, adapter: Any):

@@ -82,7 +82,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         # at most this many users' adapters held; the least recently used is dropped, its path kept
         self.max_loaded_adapters = max_loaded_adapters
         self._last_used: dict[str, float] = {}
-        self._evicted: dict[str, str] = {}  # user -> the adapter path to load again on their next request
+        # user -> (path, version) of the adapter to load again on their next request
+        self._evicted: dict[str, tuple[str, int | None]] = {}
         self.eos_ids = self._eos_ids()
         self.batcher = Batcher(self, max_batch, max_queue, prefix_cache_tokens, prefix_cache_min_tokens,
                                prefill_chunk_tokens, rewarm_slice_s, rewarm_yield_s)
@@ -213,7 +214,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             model.clawflow_multi_lora = multi  # read by the batcher's forwards
         return multi
 
-    def load_user_adapter(self, user: str, path: str) -> dict:
+    def load_user_adapter(self, user: str, path: str, version: int | None = None) -> dict:
         """Serve `user`'s requests from now on with the LoRA adapter at `path`, on the served weights.
         An AdapterError (unreadable, DoRA, shapes the base lacks) changes nothing: the user's old
         adapter, and everyone else's, keep serving."""
@@ -223,7 +224,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         with self._reload_lock:
             deltas = read_adapter(path)
             self._adapter_loads += 1
-            key = (user, self._adapter_loads)
+            key = (user, self._adapter_loads, version)  # its version: recorded with every turn it decodes
             model = self._policy.model
             nbytes = self._multi(model, self._policy.path, path).load(key, deltas)
             old = self._user_adapters.get(user)
@@ -235,7 +236,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             while len(self._user_adapters) > self.max_loaded_adapters:  # the least recently used goes
                 lru = min((u for u in self._user_adapters if u != user), key=lambda u: self._last_used.get(u, 0.0))
                 gone = self._user_adapters.pop(lru)
-                self._evicted[lru] = gone[2]
+                self._evicted[lru] = (gone[2], gone[0][2])
                 self._retiring.append((model, gone[0]))
                 log.info("dropped %s's adapter (serving.max_loaded_adapters %d); their next request loads it",
                          lru, self.max_loaded_adapters)
@@ -270,7 +271,16 @@ class TorchEngine:  # an `engine_protocol.Engine`
         """The path of the adapter `user`'s requests decode with, None for the shared policy."""
         if user in self._user_adapters:
             return self._user_adapters[user][2]
-        return self._evicted.get(user)  # dropped for max_loaded_adapters: loaded again on their next request
+        evicted = self._evicted.get(user)  # dropped for max_loaded_adapters: loaded again on their next request
+        return evicted[0] if evicted else None
+
+    def user_adapter_version(self, user: str | None) -> int | None:
+        """The registry version of the adapter `user`'s requests decode with (None: the shared policy,
+        or an adapter loaded without a version)."""
+        if user in self._user_adapters:
+            return self._user_adapters[user][0][2]
+        evicted = self._evicted.get(user)
+        return evicted[1] if evicted else None
 
     def _rewarm(self, policy: _Policy) -> dict | None:
         """Prefill the hottest cached prompts on `policy` and stage their KV for the swap; never raises."""
@@ -321,9 +331,9 @@ class TorchEngine:  # an `engine_protocol.Engine`
         adapter dropped for `max_loaded_adapters` is loaded again first, on the caller's thread)."""
         if user is not None and user in self._user_adapters:
             self._last_used[user] = time.monotonic()
-        elif user is not None and (path := self._evicted.get(user)) is not None:
+        elif user is not None and (evicted := self._evicted.get(user)) is not None:
             try:
-                self.load_user_adapter(user, path)
+                self.load_user_adapter(user, *evicted)
             except AdapterError as exc:  # gone or broken since: the shared policy answers, and says why
                 log.warning("cannot load %s's adapter again (%s); serving the shared policy", user, exc)
                 self._evicted.pop(user, None)

@@ -56,15 +56,20 @@ class Engine(Protocol):
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  on_token: TokenCallback | None = None, user: str | None = None) -> Generation: ...
 
-    def load_user_adapter(self, user: str, path: str) -> dict:
-        """`user`'s requests from now on decode with the LoRA adapter at `path`; raises
-        `AdapterError` and changes nothing when it cannot be served."""
+    def load_user_adapter(self, user: str, path: str, version: int | None = None) -> dict:
+        """`user`'s requests from now on decode with the LoRA adapter at `path` (`version`: its number in
+        the user's registry line, recorded with each turn it decodes); raises `AdapterError` and
+        changes nothing when it cannot be served."""
         ...
 
     def unload_user_adapter(self, user: str) -> None: ...
 
     def user_adapter(self, user: str | None) -> str | None:
         """The path of the adapter `user`'s requests decode with; None: the shared policy."""
+        ...
+
+    def user_adapter_version(self, user: str | None) -> int | None:
+        """The registry version of that adapter; None: the shared policy (or loaded without one)."""
         ...
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

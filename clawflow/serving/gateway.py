@@ -37,6 +37,12 @@ class TurnContext:
     user: str = DEFAULT_USER  # the authenticated API key's owner (app.py sets it from the key)
 
 
+def _adapter_user(ctx: TurnContext) -> str | None:
+    """Whose adapter decodes the request: its key's owner; internal callers (the judge) get the
+    shared policy."""
+    return ctx.user if ctx.record else None
+
+
 @dataclass
 class Counters:
     requests: int = 0
@@ -121,6 +127,7 @@ class Gateway:
             response_logprobs=gen.logprobs, response_text=gen.text, finish_reason=finish,
             new_messages=new_messages, turn_type=ctx.turn_type, source=ctx.source, group_id=group_id,
             tools=req.tools, tool_calls=reply.get("tool_calls"), session_done=ctx.session_done, user=ctx.user,
+            adapter_version=gen.adapter_version,
         )
         await asyncio.to_thread(self.writer.append, rec)  # durable before the reply completes
         self.tracker.remember(session_id, messages, {"role": "assistant", "content": reply.get("content") or "",
@@ -145,7 +152,8 @@ class Gateway:
         try:
             for i in range(req.n):  # all n choices decode side by side in the batch
                 p = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-                futures.append(self.engine.submit(prompt_ids, p, lambda *_: not live["cancelled"]))
+                futures.append(self.engine.submit(prompt_ids, p, lambda *_: not live["cancelled"],
+                                                  user=_adapter_user(ctx)))
         except BaseException:
             _abort(futures, live)
             raise
@@ -190,7 +198,7 @@ class Gateway:
             loop.call_soon_threadsafe(queue.put_nowait, (token, logprob, text, top))
             return not live["cancelled"]
 
-        fut = self.engine.submit(prompt_ids, params, on_token)  # QueueFull → 429, still before any byte
+        fut = self.engine.submit(prompt_ids, params, on_token, user=_adapter_user(ctx))  # QueueFull → 429
         self.counters.requests += 1
         return self._stream(req, ctx, messages, prompt_ids, params, fut, queue, live)
 

@@ -28,6 +28,8 @@ class Generation:
     finish_reason: str  # stop | length | abort
     policy_version: int
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token id, logprob), per position
+    # the version of the user's own adapter that decoded it (their registry line); None: the shared policy
+    adapter_version: int | None = None
 
 
 # on_token(token_id, logprob, text_so_far, top) -> False to abort (client went away); `top` is the

@@ -59,8 +59,9 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         # "raw" | "scaled" | None (not measured yet: the server was unreachable or the probe undecided)
         self.logprobs_kind: str | None = None
         self._check_lock = threading.Lock()
-        # users' adapters: user -> (lora name, path); requests running per lora name; names to unload
-        self._users: dict[str, tuple[str, str]] = {}
+        # users' adapters: user -> (lora name, path, registry version); requests running per lora name;
+        # names to unload
+        self._users: dict[str, tuple[str, str, int | None]] = {}
         self._running: dict[str, int] = {}
         self._retiring: set[str] = set()
         self._loads = 0
@@ -102,7 +103,8 @@ class SGLangEngine:  # an `engine_protocol.Engine`
             lora = (mine[0], self._version) if mine is not None else self._lora  # pinned now
             if mine is not None:
                 self._running[mine[0]] = self._running.get(mine[0], 0) + 1
-        fut = self._pool.submit(self._generate, list(prompt_ids), params, on_token, lora)
+        fut = self._pool.submit(self._generate, list(prompt_ids), params, on_token, lora,
+                                mine[2] if mine is not None else None)
         fut.add_done_callback(lambda _: self._release(mine[0] if mine is not None else None))
         return fut
 
@@ -110,7 +112,7 @@ class SGLangEngine:  # an `engine_protocol.Engine`
                  user: str | None = None) -> Generation:
         return self.submit(prompt_ids, params, on_token, user).result()
 
-    def load_user_adapter(self, user: str, path: str) -> dict:
+    def load_user_adapter(self, user: str, path: str, version: int | None = None) -> dict:
         """`user`'s requests from now on name the adapter at `path`; an AdapterError changes nothing."""
         import time
 
@@ -121,7 +123,7 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, AdapterError)
         with self._lock:
             old = self._users.get(user)
-            self._users[user] = (name, str(path))
+            self._users[user] = (name, str(path), version)
             if old is not None:
                 self._retiring.add(old[0])
         self._unload_unused()
@@ -137,6 +139,10 @@ class SGLangEngine:  # an `engine_protocol.Engine`
     def user_adapter(self, user: str | None) -> str | None:
         mine = self._users.get(user) if user is not None else None
         return mine[1] if mine is not None else None
+
+    def user_adapter_version(self, user: str | None) -> int | None:
+        mine = self._users.get(user) if user is not None else None
+        return mine[2] if mine is not None else None
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Logprobs of a fixed reply: a 1-token generate that returns the input's logprobs."""
@@ -230,7 +236,7 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         return out
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, on_token: TokenCallback | None,
-                  lora: tuple[str, int] | None) -> Generation:
+                  lora: tuple[str, int] | None, adapter_version: int | None = None) -> Generation:
         if self.logprobs_kind is None:  # SGLang was not up when the gateway started
             self.check_logprobs()
         version = self._version  # SGLang's own weight_version wins when it reports one
@@ -262,8 +268,8 @@ class SGLangEngine:  # an `engine_protocol.Engine`
                         tops.append(top)
                     if on_token is not None and not on_token(int(tok), float(lp), self.decode(ids),
                                                              top if params.top_logprobs else None):
-                        return Generation(ids, lps, self.decode(ids), "abort", version,
-                                          tops)  # leaving the stream aborts the request in SGLang
+                        return Generation(ids, lps, self.decode(ids), "abort", version, tops,
+                                          adapter_version)  # leaving the stream aborts the request in SGLang
         finish = (meta.get("finish_reason") or {}).get("type", "length")
         text = self.decode(ids)
         if finish == "stop" and params.stop:
@@ -272,7 +278,8 @@ class SGLangEngine:  # an `engine_protocol.Engine`
         reported = str(meta.get("weight_version") or "")
         if lora is None and reported.isdigit():  # with an adapter, the adapter is the version
             version = int(reported)
-        return Generation(ids, lps, text, finish if finish in ("stop", "length", "abort") else "stop", version, tops)
+        return Generation(ids, lps, text, finish if finish in ("stop", "length", "abort") else "stop", version, tops,
+                          adapter_version)
 
 
 def _new_entries(entries: list, have: int, completion_tokens: int) -> list:

@@ -1,0 +1,78 @@
+"""Users' own adapters through the gateway (issue #29): the admin route loads one user's adapter,
+that user's key decodes with it and their turns record its version, every other key (and the
+judge's internal route) keeps the shared policy; a refused adapter changes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import httpx
+import pytest
+
+from _adapters import make_adapters
+from _gateway_helpers import assert_error_json, sealed_turns
+from conftest import admin, running_gateway
+
+PROMPT = "Tell me about the sea, in a few words."
+
+
+def chat(cfg, key: str, text: str = PROMPT, internal: bool = False) -> dict:
+    route = "/internal/v1/chat/completions" if internal else "/v1/chat/completions"
+    r = httpx.post(f"{cfg.gateway_url}{route}", timeout=120, headers={"Authorization": f"Bearer {key}"},
+                   json={"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0,
+                         "logprobs": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"text": choice["message"]["content"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]]}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["text"] == b["text"] and all(abs(x - y) < 1e-3 for x, y in zip(a["logprobs"], b["logprobs"]))
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    return make_adapters(tiny_model_dir, tmp_path_factory.mktemp("gw-adapters"))
+
+
+def test_a_users_adapter_serves_only_their_key_and_their_turns_record_its_version(make_config, adapters, tmp_path):
+    keys = {"alice": "alice-key", "bob": "bob-key"}
+    cfg = make_config(serving={"users": {u: hashlib.sha256(k.encode()).hexdigest() for u, k in keys.items()}})
+    url = f"{cfg.gateway_url}/admin/users/alice/adapter"
+    with running_gateway(cfg):
+        before = {u: chat(cfg, k) for u, k in keys.items()}
+        assert same(before["alice"], before["bob"])  # nobody has an adapter yet: the shared policy
+
+        assert httpx.post(url, json={"path": str(adapters["a0"]), "version": 5}).status_code == 401  # admin only
+        r = httpx.post(url, json={"path": str(adapters["a0"]), "version": 5}, headers=admin(cfg), timeout=60)
+        assert r.status_code == 200, r.text
+        assert (r.json()["path"], r.json()["version"]) == (str(adapters["a0"]), 5)
+        alice, bob = chat(cfg, keys["alice"]), chat(cfg, keys["bob"])
+        assert not same(alice, before["alice"])  # hers moved
+        assert same(bob, before["bob"]) and same(chat(cfg, cfg.serving.api_key), before["bob"])  # nobody else's
+        judge = chat(cfg, cfg.serving.admin_key, internal=True)  # internal callers: the shared policy
+        assert same(judge, before["bob"])
+
+        # a corrupt adapter for alice is refused: she keeps v5, nobody moves
+        broken = tmp_path / "broken"
+        shutil.copytree(adapters["a1"], broken)
+        (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+        err = assert_error_json(httpx.post(url, json={"path": str(broken), "version": 6}, headers=admin(cfg),
+                                           timeout=60), 400, "invalid_request_error")
+        assert err["code"] == "adapter_refused" and "alice keeps" in err["message"]
+        assert httpx.get(url, headers=admin(cfg)).json()["version"] == 5
+        assert same(chat(cfg, keys["alice"]), alice) and same(chat(cfg, keys["bob"]), bob)
+        assert_error_json(httpx.post(f"{cfg.gateway_url}/admin/users/no%20one/adapter", headers=admin(cfg),
+                                     json={"path": str(adapters["a0"])}), 400, "invalid_request_error")
+
+        gone = httpx.delete(url, headers=admin(cfg), timeout=60)
+        assert gone.status_code == 200 and gone.json()["path"] is None
+        assert same(chat(cfg, keys["alice"], "Back to the shared policy."),
+                    chat(cfg, keys["bob"], "Back to the shared policy."))
+        turns = sealed_turns(cfg)
+
+    served = {(t["user"], t["adapter_version"]) for t in turns}
+    assert ("alice", 5) in served and ("alice", None) in served
+    assert all(v is None for u, v in served if u != "alice")  # bob's and the default key's: the shared policy
+    assert sum(t["user"] == "alice" and t["adapter_version"] == 5 for t in turns) == 2
