@@ -66,7 +66,9 @@ def fetch(cfg: Config, version: int, source: str, expected: str | None, trainer_
     """The verified local copy of `version` (downloaded once, then served from the cache)."""
     if not expected:
         raise ChecksumError(f"v{version} has no {TAG} tag: it was not registered through the artifact store")
-    cache = Home(cfg.home).registry_cache / cfg.model.name
+    from clawflow.policy.registry import model_name  # here: the registry imports this module
+
+    cache = Home(cfg.home).registry_cache / model_name(cfg)  # per version line: their numbers overlap
     final = cache / f"v{version}"
     tmp = cache / f".v{version}.{uuid.uuid4().hex[:8]}.tmp"
     try:

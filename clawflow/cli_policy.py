@@ -20,6 +20,17 @@ def register(app: typer.Typer, load, config_opt) -> None:
         console.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
         raise typer.Exit(1)
 
+    user_opt = typer.Option(None, "--user", "-u", help="a user's own adapters (default: the shared policy)")
+
+    def _user(name: str | None) -> str | None:
+        import re
+
+        from clawflow.users import NAME_PATTERN
+
+        if name is not None and not re.fullmatch(NAME_PATTERN, name):
+            _fail(f"user name {name!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
+        return name
+
     @app.command()
     def train(config: Optional[Path] = config_opt,
               wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the run until it ends")) -> None:
@@ -76,12 +87,16 @@ def register(app: typer.Typer, load, config_opt) -> None:
 
     @app.command()
     def versions(config: Optional[Path] = config_opt,
-                 wide: bool = typer.Option(False, "--wide", "-w", help="also list the checkpoint paths")) -> None:
+                 wide: bool = typer.Option(False, "--wide", "-w", help="also list the checkpoint paths"),
+                 user: Optional[str] = user_opt) -> None:
         """Registered versions with aliases, gate verdicts and training metrics (fits 80 columns;
-        --wide adds the checkpoint paths)."""
+        --wide adds the checkpoint paths). --user: that user's own adapters."""
         from clawflow.policy import registry
 
-        rows = registry.list_versions(load(config))
+        cfg = registry.for_user(load(config), _user(user))
+        rows = registry.list_versions(cfg)
+        if user and not rows:
+            console.print(f"{user} has no adapter of their own yet: they are served the shared policy")
         console.print(version_table(rows))
         if wide:  # whole lines, not a table column: a path folded into a cell cannot be copied
             for v in rows:
@@ -131,12 +146,13 @@ def register(app: typer.Typer, load, config_opt) -> None:
 
     @app.command()
     def rollback(version: Optional[str] = typer.Argument(None, help="version or alias (default: previous)"),
-                 config: Optional[Path] = config_opt) -> None:
-        """Move `champion` back to VERSION (default: `previous`) and hot-reload the gateway."""
+                 config: Optional[Path] = config_opt, user: Optional[str] = user_opt) -> None:
+        """Move `champion` back to VERSION (default: `previous`) and hot-reload the gateway.
+        --user: that user's own adapters (only their requests move)."""
         from clawflow.local_stack import adopt_prefect_api
-        from clawflow.policy import reload
+        from clawflow.policy import registry, reload
 
-        cfg = load(config)
+        cfg = registry.for_user(load(config), _user(user))
         adopt_prefect_api(cfg)  # so clawflow.policy.rolled-back reaches the stack's Prefect
         try:
             result = reload.rollback(cfg, int(version) if version and version.isdigit() else version)

@@ -19,9 +19,10 @@ from clawflow.config import load_config
 from clawflow.feedback import training_samples
 from clawflow.policy.holdout import split_holdout
 from tasks.policy import gate_doses, held_out_probes, tag_gate
-from tasks.training import (collect_batch, commit_consumption, current_policy, judge_turns, maintain_store,
+from clawflow.policy import registry
+from tasks.training import (claim_id, collect_batch, commit_consumption, current_policy, judge_turns, maintain_store,
                             prepare_next_run, promote, record_preferences, register, release_unjudged, reload_gateway,
-                            start_run, train_policy, update_preferences)
+                            start_run, train_policy, update_preferences, user_of, waiting_users)
 
 
 class Progress:
@@ -51,13 +52,35 @@ class Clock:
 
 @flow(name="train-on-new-feedback", log_prints=True)
 def train_on_new_feedback(config_path: str | None = None, max_turns: int | None = None,
-                          reload: bool = True) -> dict:
-    """Train the served policy on the feedback its conversations received since the last run."""
+                          reload: bool = True, user: str | None = None) -> dict:
+    """Train on the feedback conversations received since the last run: each user's turns train
+    that user's own version line (their adapter; the default user's is the shared policy), one user
+    after another. `user`: only that user's line. Without `train.lora` there are no per-user
+    adapters: every user's turns train the shared policy, as before users existed."""
     cfg = load_config(config_path)
+    log = get_run_logger()
+    if cfg.train.lora is None:
+        if user is not None:
+            raise ValueError("per-user training needs train.lora: users' own adapters are LoRA adapters")
+        return _train_line(cfg, None, max_turns, reload)
+    waiting = waiting_users(cfg)
+    users = [user] if user is not None else sorted(waiting, key=lambda u: (u != cfg.serving.user, u))
+    if not users:
+        return _train_line(cfg, [cfg.serving.user], max_turns, reload)  # reports "no new turns"
+    log.info("turns waiting per user: %s", ", ".join(f"{u} {waiting.get(u, 0)}" for u in users))
+    results = {u: _train_line(registry.for_user(cfg, u), [u], max_turns, reload) for u in users}
+    if len(results) == 1:
+        return next(iter(results.values()))
+    return {"trained": any(r["trained"] for r in results.values()), "users": results,
+            "reason": "; ".join(f"{u}: {r.get('gate') or r.get('reason')}" for u, r in results.items())}
+
+
+def _train_line(cfg, users: list[str] | None, max_turns: int | None, reload: bool) -> dict:
+    """One version line's run: `users`' turns (None: everyone's) train `cfg.registry.user`'s line."""
     log = get_run_logger()
     progress, clock = Progress(), Clock()
     with clock("collect"):
-        pairs = collect_batch(cfg, max_turns or cfg.train.max_turns)
+        pairs = collect_batch(cfg, max_turns or cfg.train.max_turns, users)
     if not pairs:
         return _report({"trained": False, "reason": "no new turns with a next state"}, progress)
 
@@ -76,7 +99,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     turn_ids = [j.turn_id for j in judgments]  # only judged turns are consumed (held-out ones too)
     if not samples and not preferences:
         # Judged but neutral: nothing to learn; consume them so they are not judged again.
-        _consume(cfg, turn_ids, f"neutral-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
+        _consume(cfg, turn_ids, f"neutral-{claim_id(cfg)}", parent, all_judged=len(judgments) == len(pairs))
         reason = "all turns judged neutral" if not held_out else "no trainable turns (neutral or held out for the gate)"
         return _report({"trained": False, "reason": reason, "turns": len(pairs)}, progress)
 
@@ -85,7 +108,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     with clock("train"):
         checkpoint, metrics = train_policy(cfg, run_id, start, samples, parent, preferences)
     if checkpoint is None:  # the recipe found no usable advantage or hint: consume, nothing to register
-        _consume(cfg, turn_ids, f"untrainable-{runtime.flow_run.id}", parent, all_judged=len(judgments) == len(pairs))
+        _consume(cfg, turn_ids, f"untrainable-{claim_id(cfg)}", parent, all_judged=len(judgments) == len(pairs))
         return _report({"trained": False, "reason": metrics["reason"], "turns": len(pairs),
                         "samples": len(samples)}, progress)
     taught = record_preferences(cfg, run_id, checkpoint, preferences)["taught"]
@@ -116,7 +139,7 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
     prepared = prepare_next_run(cfg, *current_policy(cfg, preferences)[:2], preferences) \
         if cfg.train.prepare_next else {"prepared": False, "reason": "train.prepare_next is off"}
     last = metrics.get("per_step") or [{}]
-    return _report({"trained": True, "version": version, "parent": parent, "turns": len(pairs),
+    return _report({"trained": True, "user": user_of(cfg), "version": version, "parent": parent, "turns": len(pairs),
                     "samples": len(samples), "preferences": len(preferences), "held_out": len(held_out),
                     "reward_mean": sum(rewards) / len(rewards), "promoted": gate.passed, "dose": gate.dose,
                     "gate": gate.reason, "mlflow_run": run_id, "reloaded": reloaded, "loss": last[-1].get("loss"),

@@ -25,7 +25,8 @@ def helpfulness_cache(cfg: Config):
 def held_out_probes(cfg: Config, batch_turn_ids: list[str]) -> list[ProbeTurn]:
     """The newest judged turns the candidate did not train on (clawflow/policy/holdout.py)."""
     g = cfg.gate
-    turns = held_out_turns(Catalog.for_config(cfg), g.judged_probes, batch_turn_ids, g.holdout_fraction)
+    turns = held_out_turns(Catalog.for_config(cfg), g.judged_probes, batch_turn_ids, g.holdout_fraction,
+                           cfg.registry.user)  # a user's own line: their turns alone
     get_run_logger().info("%d held-out judged turns (%d good, %d bad) for the gate", len(turns),
                           sum(t.score > 0 for t in turns), sum(t.score < 0 for t in turns))
     return turns

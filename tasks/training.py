@@ -24,6 +24,7 @@ from clawflow.judge.stats import combine_reward, judge_stats
 from clawflow.judge.store import JudgmentStore
 from clawflow.policy import registry, reload
 from clawflow.policy.lineage import lineage_tags, shards_of
+from clawflow.policy.loader import is_adapter
 from clawflow.store.catalog import Catalog
 from clawflow.store.storage import Storage
 from clawflow.train.launch import EXIT_NO_SAMPLES, TrainingError, run_training
@@ -33,15 +34,30 @@ def catalog(cfg: Config) -> Catalog:
     return Catalog.for_config(cfg)
 
 
-@task(name="collect-batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def collect_batch(cfg: Config, max_turns: int) -> list[Pair]:
-    """Unconsumed main turns that have a next state, oldest first, claimed for this flow run: a
-    retry of the run gets the same batch back, other runs skip it until it is committed."""
+def claim_id(cfg: Config) -> str:
+    """This flow run's claim on the turns of the user it trains now (one claim per user: a run
+    trains several users one after another)."""
     from prefect import runtime
 
-    claim = str(runtime.flow_run.id or f"manual-{uuid.uuid4().hex}")
-    pairs = catalog(cfg).select_batch(claim, max_turns, cfg.store.batch_max_tokens)
-    get_run_logger().info("%d turns with a next state are waiting", len(pairs))
+    run = str(runtime.flow_run.id or f"manual-{uuid.uuid4().hex}")
+    return run if cfg.registry.user is None else f"{run}:{cfg.registry.user}"
+
+
+@task(name="waiting-users", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
+def waiting_users(cfg: Config) -> dict[str, int]:
+    """{user: turns with a next state waiting}: whose version lines this run trains."""
+    return catalog(cfg).pending_users()
+
+
+@task(name="collect-batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
+      task_run_name="collect-batch-{cfg.registry.user}")
+def collect_batch(cfg: Config, max_turns: int, users: list[str] | None = None) -> list[Pair]:
+    """Unconsumed main turns that have a next state, oldest first (`users`: only theirs), claimed
+    for this flow run: a retry of the run gets the same batch back, other runs skip it until it
+    is committed."""
+    pairs = catalog(cfg).select_batch(claim_id(cfg), max_turns, cfg.store.batch_max_tokens, users=users)
+    get_run_logger().info("%d turns with a next state are waiting%s", len(pairs),
+                          f" from {', '.join(users)}" if users else "")
     return pairs
 
 
@@ -67,14 +83,20 @@ def judge_turns(cfg: Config, pairs: list[Pair]) -> list[Judged]:
 def release_unjudged(cfg: Config) -> int:
     """Drop this run's claim on the turns it did not consume (unjudged), so the next run takes them
     instead of waiting for the claim to expire."""
-    from prefect import runtime
-
-    return catalog(cfg).release(str(runtime.flow_run.id))
+    return catalog(cfg).release(claim_id(cfg))
 
 
 def user_of(cfg: Config) -> str:
-    """Whose policy this run trains: the one API key's owner (per-user training builds on this)."""
-    return getattr(cfg.serving, "user", None) or "default"
+    """Whose policy this run trains: the user of its registry line, or the default user (the API
+    key's owner whose line is the shared policy)."""
+    return cfg.registry.user or getattr(cfg.serving, "user", None) or "default"
+
+
+def rewrites_dir(cfg: Config) -> Path:
+    """Where the rewrites of this line's runs are cached (a user's own line: their own directory,
+    so preparing one user's next run never prunes another's)."""
+    home = Home(cfg.home)
+    return home.rewrites if cfg.registry.user is None else home.rewrites / "users" / cfg.registry.user
 
 
 @task(name="update-preferences", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -131,16 +153,28 @@ def current_policy(cfg: Config, preferences: list[dict] | None = None) -> tuple[
     since been forgotten or superseded, this run starts from the base: the standing preferences
     that remain are distilled again in full (broad prompts), and the dropped one's effect is gone."""
     found = registry.champion(cfg)  # fetched (with its optimizer state) when the registry is a server
+    line = cfg
+    if not found and cfg.registry.user is not None:
+        # a user's first adapter: from the shared policy that served them until now (the gate's
+        # champion too), unless it learned preferences that are not theirs (then from the base)
+        line = registry.for_user(cfg, None)
+        found = registry.champion(line)
+        if found:
+            get_run_logger().info("%s's first adapter: the shared policy v%d served them so far", cfg.registry.user,
+                                  found[0])
     if not found:
         return 0, base_model_dir(cfg), base_model_dir(cfg)
-    champion = registry.checkpoint_dir(cfg, *found, trainer_state=True)
-    learned = registry.learned_preferences(cfg, found[0])
+    champion = registry.checkpoint_dir(line, *found, trainer_state=True)
+    parent = found[0] if line is cfg else 0  # a user's line starts at 0: its parent is in another line
+    learned = registry.learned_preferences(line, found[0])
     gone = sorted(set(learned) - {p["pref_id"] for p in preferences or []})
     if gone:
-        get_run_logger().warning("v%d learned preferences that are now forgotten or superseded (%s): this run "
-                                 "trains from the base", found[0], ", ".join(gone))
-        return found[0], base_model_dir(cfg), champion
-    return found[0], champion, champion
+        get_run_logger().warning("v%d learned preferences that are now forgotten, superseded or not %s's (%s): "
+                                 "this run trains from the base", found[0], user_of(cfg), ", ".join(gone))
+        return parent, base_model_dir(cfg), champion
+    if line is not cfg and not is_adapter(champion):  # the registered base (v1): a fresh adapter on it
+        return parent, base_model_dir(cfg), champion
+    return parent, champion, champion
 
 
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
@@ -155,6 +189,7 @@ def start_run(cfg: Config, flow_run: str, parent: int, pairs: list[Pair], judgme
               "turns": len(pairs), "first_turn_at": pairs[0].created_at, "last_turn_at": pairs[-1].created_at,
               "config": str(cfg.source_file)}
     tags = {"clawflow.parent_version": str(parent), "clawflow.prefect_flow_run": flow_run,
+            "clawflow.user": user_of(cfg), "clawflow.registered_model": registry.model_name(cfg),
             "clawflow.reward_mean": f"{sum(scores) / max(len(scores), 1):.4f}"}
     run_id = registry.start_run(cfg, f"train-from-v{parent}", params, tags)
     registry.log_metrics(cfg, run_id, [], judge_stats(judgments, len(pairs)))
@@ -186,7 +221,7 @@ def train_policy(cfg: Config, run_id: str, base: str, samples: list[Sample],
         try:
             metrics = run_training(cfg.source_file, cfg, Path(base), batch, out, parent_version=parent,
                                    frozen_base=base_model_dir(cfg) if needs_base else None, preferences=prefs_file,
-                                   cache_dir=home.rewrites, broad_seed=registry.latest_version(cfg))
+                                   cache_dir=rewrites_dir(cfg), broad_seed=registry.latest_version(cfg))
         except TrainingError as e:
             if e.returncode != EXIT_NO_SAMPLES:
                 raise
@@ -214,20 +249,20 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
     t = cfg.train
     if not preferences or not (t.rehearsal or t.broad_prompts) or not Objective.from_config(t).rewrites:
         return {"prepared": False, "reason": "nothing the next run would rewrite before its batch"}
-    home = Home(cfg.home)
-    prefs_file = home.rewrites / "next-preferences.json"
+    rewrites = rewrites_dir(cfg)
+    prefs_file = rewrites / "next-preferences.json"
     prefs_file.parent.mkdir(parents=True, exist_ok=True)
     prefs_file.write_text(json.dumps(preferences))
     t0 = time.monotonic()
     try:
-        run_prepare(cfg.source_file, cfg, Path(start), prefs_file, home.rewrites, parent, registry.latest_version(cfg),
+        run_prepare(cfg.source_file, cfg, Path(start), prefs_file, rewrites, parent, registry.latest_version(cfg),
                     gate_cache=helpfulness_cache(cfg))
     except Exception as exc:  # noqa: BLE001 - best effort: the version is already served
         why = exc.reason if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {exc}"
         get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", why)
         return {"prepared": False, "reason": why}
     seconds = round(time.monotonic() - t0, 1)
-    prune(home.rewrites)  # the files of earlier champions
+    prune(rewrites)  # the files of earlier champions
     get_run_logger().info("prepared the next run's rewrites from v%d in %.0f s", parent, seconds)
     return {"prepared": True, "seconds": seconds}
 
@@ -243,16 +278,16 @@ def register(cfg: Config, run_id: str, checkpoint: Path, parent: int, turns: int
         cfg, run_id, checkpoint,
         {**lineage_tags(parent, shards, turns), "turns": str(turns), "reward_mean": f"{reward_mean:.4f}"})
     registry.end_run(cfg, run_id)
-    events.emit(events.POLICY_REGISTERED, f"clawflow.policy.{cfg.model.name}.v{version}",
-                {"version": version, "run_id": run_id, "path": str(checkpoint)})
+    events.emit(events.POLICY_REGISTERED, f"clawflow.policy.{registry.model_name(cfg)}.v{version}",
+                {"version": version, "run_id": run_id, "path": str(checkpoint), "user": user_of(cfg)})
     return version
 
 
 @task(name="promote-champion", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def promote(cfg: Config, version: int) -> int | None:
     previous = registry.promote(cfg, version)
-    events.emit(events.POLICY_PROMOTED, f"clawflow.policy.{cfg.model.name}.v{version}",
-                {"version": version, "previous": previous})
+    events.emit(events.POLICY_PROMOTED, f"clawflow.policy.{registry.model_name(cfg)}.v{version}",
+                {"version": version, "previous": previous, "user": user_of(cfg)})
     return previous
 
 
@@ -270,7 +305,9 @@ def maintain_store(cfg: Config) -> dict[str, Any]:
 
     s = cfg.store
     try:
-        kept = [v["version"] for v in registry.list_versions(cfg)]
+        lines = [registry.for_user(cfg, None)] + [registry.for_user(cfg, u) for u in registry.user_lines(cfg)]
+        # version numbers of every line: they overlap, so this keeps more turns, never fewer
+        kept = sorted({v["version"] for line in lines for v in registry.list_versions(line)})
         retention = apply_retention(catalog(cfg), s.retention_days, s.retention_max_bytes, kept,
                                     row_group_rows=s.row_group_rows)
         merged = compact(catalog(cfg), s.compaction_target_bytes, s.row_group_rows)

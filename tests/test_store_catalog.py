@@ -169,6 +169,24 @@ def test_users_sharing_a_session_id_are_never_paired(tmp_path):
     assert [(t.user, t.turn_index) for t in closed] == [("bob", 1), ("alice", 2)]
 
 
+def test_each_users_batch_holds_only_their_turns_under_their_own_claim(tmp_path):
+    """train-on-new-feedback trains one user's line after another in one flow run: each user's batch
+    is theirs alone, claimed under its own id, and the others' turns stay pending for their turn."""
+    home = tmp_path / "home"
+    seal(home, of_user("bob", conversation("b", 3, start=0)) + of_user("alice", conversation("a", 4, start=0.5))
+         + conversation("d", 2, start=1.0))
+    cat = Catalog(home / "catalog.duckdb", home / "shards")
+    assert cat.pending_users() == {"alice": 3, "bob": 2, "default": 1}
+    alice = cat.select_batch("run:alice", max_turns=99, users=["alice"])
+    assert {p.user for p in alice} == {"alice"} and len(alice) == 3
+    assert cat.pending_users() == {"bob": 2, "default": 1}  # alice's are claimed
+    bob = cat.select_batch("run:bob", max_turns=99, users=["bob"])
+    assert {p.user for p in bob} == {"bob"} and len(bob) == 2
+    assert ids(cat.select_batch("run:alice", max_turns=99, users=["alice"])) == ids(alice)  # a retry: the same
+    cat.commit_consumed([p.turn_id for p in alice], "run:alice", 1)
+    assert cat.release("run:bob") == 2 and cat.pending_users() == {"bob": 2, "default": 1}
+
+
 def test_catalog_made_before_users_keeps_working(tmp_path):
     """A catalog file whose `turn_keys` predates the `user` column (built from shards of schema v2)
     gains it on open, its turns the default user's, and then registers shards with users."""

@@ -329,6 +329,10 @@ class RegistryConfig(_Strict):
     # Gateway replicas behind a load balancer: each checks `champion` this often and serves it when
     # it moves (clawflow/serving/follow.py); None: only /admin/reload changes what is served
     follow_champion_s: float | None = Field(None, gt=0)
+    # Whose version line the registry calls read and write: None, the shared policy (the registered
+    # model `model.name`, trained from `serving.user`'s turns); a user's name, that user's own adapters
+    # (`<model.name>.<user>`). train-on-new-feedback and `--user` set it per run; rarely set in YAML.
+    user: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class ServicesConfig(_Strict):

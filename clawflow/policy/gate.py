@@ -367,7 +367,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
                 continue
         r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion)
         m.update(r.metrics)
-        if r.passed and gate.require_learning and pref is None and not judged_learning(m, gate):
+        if r.passed and gate.enabled and gate.require_learning and pref is None and not judged_learning(m, gate):
             last = GateResult(False, f"nothing learned on the held-out judged turns at dose {dose:g}: replies "
                                      f"judged good {m['judged_pos_delta']:+.4f}, bad {m['judged_neg_delta']:+.4f} "
                                      f"nats/token (needs good − bad > {gate.min_preference_gain})", m)

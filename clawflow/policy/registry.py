@@ -24,6 +24,32 @@ from clawflow.config import Config
 from clawflow.home import Home
 
 CHAMPION, PREVIOUS = "champion", "previous"
+USER_LINE = "."  # `<model.name>.<user>`: a user's own adapters (a user name has no other dot-free meaning)
+
+
+def model_name(cfg: Config) -> str:
+    """The registered model of `cfg.registry.user`'s version line (the shared policy's when None)."""
+    user = cfg.registry.user
+    return cfg.model.name if user is None else f"{cfg.model.name}{USER_LINE}{user}"
+
+
+def for_user(cfg: Config, user: str | None) -> Config:
+    """`cfg` reading and writing `user`'s version line: their own adapters. The default user
+    (`serving.user`) and None: the shared policy's line, as before users existed."""
+    line = None if user in (None, cfg.serving.user) else user
+    if line == cfg.registry.user:
+        return cfg
+    return cfg.model_copy(update={"registry": cfg.registry.model_copy(update={"user": line})})
+
+
+def user_lines(cfg: Config) -> list[str]:
+    """The users who have a version line of their own (a registered `<model.name>.<user>`)."""
+    prefix = cfg.model.name + USER_LINE
+    try:
+        models = _client(cfg).search_registered_models(f"name LIKE '{prefix}%'")
+    except Exception:  # noqa: BLE001 - no registry yet: nobody has a line
+        return []
+    return sorted(m.name[len(prefix):] for m in models if m.name.startswith(prefix))
 
 
 def _client(cfg: Config):
@@ -98,10 +124,10 @@ def log_champion(cfg: Config, version: int, metrics: dict[str, float]) -> None:
     client = _client(cfg)
     exp = experiment_id(cfg)
     found = client.search_runs([exp], filter_string=f"tags.`clawflow.kind` = '{CHAMPION_HISTORY}' and "
-                                                    f"tags.`clawflow.model` = '{cfg.model.name}'", max_results=1)
+                                                    f"tags.`clawflow.model` = '{model_name(cfg)}'", max_results=1)
     run_id = found[0].info.run_id if found else client.create_run(
-        exp, run_name=f"{CHAMPION_HISTORY}-{cfg.model.name}",
-        tags={"clawflow.kind": CHAMPION_HISTORY, "clawflow.model": cfg.model.name}).info.run_id
+        exp, run_name=f"{CHAMPION_HISTORY}-{model_name(cfg)}",
+        tags={"clawflow.kind": CHAMPION_HISTORY, "clawflow.model": model_name(cfg)}).info.run_id
     for key, value in metrics.items():
         client.log_metric(run_id, key, float(value), step=int(version))
 
@@ -114,7 +140,7 @@ def learned_preferences(cfg: Config, version: int) -> list[str]:
     while version and version not in seen:
         seen.add(version)
         try:
-            mv = client.get_model_version(cfg.model.name, str(version))
+            mv = client.get_model_version(model_name(cfg), str(version))
         except Exception:  # noqa: BLE001 - an unknown version learned nothing we know of
             return []
         if mv.run_id:
@@ -135,7 +161,7 @@ def register_checkpoint(cfg: Config, run_id: str, checkpoint: Path, tags: dict[s
     from mlflow.exceptions import MlflowException
 
     client = _client(cfg)
-    name = cfg.model.name
+    name = model_name(cfg)
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -154,7 +180,7 @@ def checkpoint_dir(cfg: Config, version: int, source: str, trainer_state: bool =
     `trainer_state`: also the optimizer state (the trainer continues it; serving never needs it)."""
     if not artifacts.is_artifact_uri(source):
         return source
-    mv = _client(cfg).get_model_version(cfg.model.name, str(version))
+    mv = _client(cfg).get_model_version(model_name(cfg), str(version))
     return str(artifacts.fetch(cfg, version, source, (mv.tags or {}).get(artifacts.TAG), trainer_state))
 
 
@@ -178,17 +204,17 @@ def ensure_base(cfg: Config, base_dir: str) -> int:
     Idempotent: a second call returns the version registered first."""
     client = _client(cfg)
     with _registry_lock(cfg):
-        for mv in client.search_model_versions(f"name='{cfg.model.name}'"):
+        for mv in client.search_model_versions(f"name='{model_name(cfg)}'"):
             if (mv.tags or {}).get("base") == "true":
                 return int(mv.version)
-        run_id = start_run(cfg, "base-model", {"source": base_dir, "model": cfg.model.name},
+        run_id = start_run(cfg, "base-model", {"source": base_dir, "model": model_name(cfg)},
                            {"clawflow.base": "true"})
         version = register_checkpoint(cfg, run_id, Path(base_dir), {
             "base": "true", "parent_version": "none", "turn_count": "0", "shard_count": "0", "shards": "",
             "gate": "base"})
         end_run(cfg, run_id)
         if champion(cfg) is None:
-            client.set_registered_model_alias(cfg.model.name, CHAMPION, str(version))
+            client.set_registered_model_alias(model_name(cfg), CHAMPION, str(version))
         return version
 
 
@@ -197,8 +223,8 @@ def promote(cfg: Config, version: int) -> int | None:
     client = _client(cfg)
     old = champion(cfg)
     if old is not None and old[0] != version:
-        client.set_registered_model_alias(cfg.model.name, PREVIOUS, str(old[0]))
-    client.set_registered_model_alias(cfg.model.name, CHAMPION, str(version))
+        client.set_registered_model_alias(model_name(cfg), PREVIOUS, str(old[0]))
+    client.set_registered_model_alias(model_name(cfg), CHAMPION, str(version))
     return old[0] if old else None
 
 
@@ -209,11 +235,11 @@ def resolve(cfg: Config, ref: int | str) -> tuple[int, str]:
     client = _client(cfg)
     try:
         if isinstance(ref, int) or str(ref).isdigit():
-            mv = client.get_model_version(cfg.model.name, str(ref))
+            mv = client.get_model_version(model_name(cfg), str(ref))
         else:
-            mv = client.get_model_version_by_alias(cfg.model.name, str(ref))
+            mv = client.get_model_version_by_alias(model_name(cfg), str(ref))
     except MlflowException as exc:
-        raise LookupError(f"no version {ref!r} of model {cfg.model.name!r} in the registry") from exc
+        raise LookupError(f"no version {ref!r} of model {model_name(cfg)!r} in the registry") from exc
     source = mv.source.removeprefix("file://")
     return int(mv.version), source
 
@@ -223,7 +249,7 @@ def latest_version(cfg: Config) -> int:
     from mlflow.exceptions import MlflowException
 
     try:
-        found = _client(cfg).search_model_versions(f"name='{cfg.model.name}'", max_results=1,
+        found = _client(cfg).search_model_versions(f"name='{model_name(cfg)}'", max_results=1,
                                                     order_by=["version_number DESC"])
     except MlflowException:
         return 0
@@ -240,7 +266,7 @@ def champion(cfg: Config) -> tuple[int, str] | None:
 def tag_version(cfg: Config, version: int, tags: dict[str, str]) -> None:
     client = _client(cfg)
     for key, value in tags.items():
-        client.set_model_version_tag(cfg.model.name, str(version), key, str(value))
+        client.set_model_version_tag(model_name(cfg), str(version), key, str(value))
 
 
 def rollback(cfg: Config, target: int | str | None = None) -> tuple[int, int, str]:
@@ -248,14 +274,14 @@ def rollback(cfg: Config, target: int | str | None = None) -> tuple[int, int, st
     `previous`. Returns (old champion, new champion, its checkpoint)."""
     current = champion(cfg)
     if current is None:
-        raise LookupError(f"model {cfg.model.name!r} has no champion to roll back from")
+        raise LookupError(f"model {model_name(cfg)!r} has no champion to roll back from")
     version, path = resolve(cfg, PREVIOUS if target is None else target)
     if version == current[0]:
         raise LookupError(f"version {version} is already the champion")
     client = _client(cfg)
-    client.set_registered_model_alias(cfg.model.name, CHAMPION, str(version))
-    client.set_registered_model_alias(cfg.model.name, PREVIOUS, str(current[0]))
-    client.set_model_version_tag(cfg.model.name, str(current[0]), "rolled_back_from", "true")
+    client.set_registered_model_alias(model_name(cfg), CHAMPION, str(version))
+    client.set_registered_model_alias(model_name(cfg), PREVIOUS, str(current[0]))
+    client.set_model_version_tag(model_name(cfg), str(current[0]), "rolled_back_from", "true")
     return current[0], version, path
 
 
@@ -265,14 +291,14 @@ def list_versions(cfg: Config) -> list[dict[str, Any]]:
 
     client = _client(cfg)
     try:
-        model = client.get_registered_model(cfg.model.name)
+        model = client.get_registered_model(model_name(cfg))
     except MlflowException:
         return []
     aliases: dict[str, list[str]] = {}
     for alias, v in (model.aliases or {}).items():
         aliases.setdefault(str(v), []).append(alias)
     rows = []
-    for mv in client.search_model_versions(f"name='{cfg.model.name}'"):
+    for mv in client.search_model_versions(f"name='{model_name(cfg)}'"):
         metrics = client.get_run(mv.run_id).data.metrics if mv.run_id else {}
         rows.append({"version": int(mv.version), "aliases": sorted(aliases.get(str(mv.version), [])),
                      "tags": dict(mv.tags or {}), "source": mv.source, "created": mv.creation_timestamp,

@@ -20,25 +20,31 @@ def reload_gateway(cfg: Config, version: int, checkpoint: str, timeout_s: float 
     champion when it starts). 5xx/timeouts raise httpx errors so callers can retry."""
     from clawflow.artifacts import is_remote
 
-    # with a tracking server the gateway may be another host: it fetches the version itself
-    body = {"version": version} if is_remote(cfg) else {"path": checkpoint, "version": version}
+    user = cfg.registry.user
+    if user is not None:  # a user's own adapter: only their requests move (the path must be readable there)
+        route, body = f"/admin/users/{user}/adapter", {"path": checkpoint, "version": version}
+    else:  # with a tracking server the gateway may be another host: it fetches the version itself
+        route = "/admin/reload"
+        body = {"version": version} if is_remote(cfg) else {"path": checkpoint, "version": version}
     try:
-        r = httpx.post(f"{cfg.gateway_url}/admin/reload", json=body,
+        r = httpx.post(f"{cfg.gateway_url}{route}", json=body,
                        headers={"Authorization": f"Bearer {cfg.serving.admin_key}"}, timeout=timeout_s)
     except httpx.ConnectError:
         return None
     if r.status_code >= 500:
         r.raise_for_status()
     if r.status_code != 200:
-        raise GatewayRefused(f"gateway refused v{version}: {r.text}")
-    events.emit(events.POLICY_RELOADED, f"clawflow.policy.{cfg.model.name}.v{version}", r.json())
+        raise GatewayRefused(f"gateway refused v{version}{f' for {user}' if user else ''}: {r.text}")
+    events.emit(events.POLICY_RELOADED, f"clawflow.policy.{registry.model_name(cfg)}.v{version}", r.json())
     return r.json()
 
 
 def rollback(cfg: Config, target: int | str | None = None) -> dict[str, Any]:
     """Move `champion` back (to `previous` by default), reload the gateway, emit the event."""
     old, new, path = registry.rollback(cfg, target)
-    events.emit(events.POLICY_ROLLED_BACK, f"clawflow.policy.{cfg.model.name}.v{new}",
+    if cfg.registry.user is not None:
+        path = registry.checkpoint_dir(cfg, new, path)  # the gateway loads a user's adapter by path
+    events.emit(events.POLICY_ROLLED_BACK, f"clawflow.policy.{registry.model_name(cfg)}.v{new}",
                 {"from_version": old, "to_version": new})
     reloaded = reload_gateway(cfg, new, path)
     return {"from_version": old, "to_version": new, "path": path, "reloaded": reloaded is not None}

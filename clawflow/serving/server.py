@@ -54,10 +54,36 @@ def build_app(cfg: Config):
                              rewarm_min_tokens=s.rewarm_min_tokens,
                              max_loaded_adapters=s.max_loaded_adapters,
                              prefill_chunk_tokens=s.prefill_chunk_tokens, linear_kernel=s.linear_kernel)
+    load_users_adapters(cfg, engine)
     writer, sealer = open_store(cfg.home, cfg.store)
     gw = Gateway(cfg=cfg, engine=engine, writer=writer, sealer=sealer)
     log.info("serving %s v%s from %s", cfg.model.name, version, path)
     return create_app(gw, resolve=lambda ref: _resolve_local(cfg, ref))
+
+
+def load_users_adapters(cfg: Config, engine) -> dict[str, int]:
+    """Every user's own champion adapter (their registry line, issue #29), so a restarted gateway
+    serves each user what it served them; one that cannot be loaded is logged and that user gets
+    the shared policy. Returns {user: version} of those loaded."""
+    from clawflow.policy import registry
+
+    uri = cfg.tracking_uri
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return {}
+    loaded = {}
+    for user in registry.user_lines(cfg):
+        mine = registry.for_user(cfg, user)
+        try:
+            found = registry.champion(mine)
+            if found is None:
+                continue
+            engine.load_user_adapter(user, registry.checkpoint_dir(mine, *found), found[0])
+            loaded[user] = found[0]
+        except Exception as exc:  # noqa: BLE001 - one user's adapter never keeps the gateway down
+            log.warning("%s's adapter was not loaded (%s); they are served the shared policy", user, exc)
+    if loaded:
+        log.info("users' own adapters: %s", ", ".join(f"{u} v{v}" for u, v in loaded.items()))
+    return loaded
 
 
 def serving_dtype(cfg: Config, path: str) -> str:

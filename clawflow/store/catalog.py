@@ -261,11 +261,13 @@ class Catalog:
 
     # -- queries (see queries.py) ------------------------------------------------------------
     def select_batch(self, claim_id: str, max_turns: int, max_tokens: int | None = None,
-                     current_version: int | None = None, max_staleness: int | None = None) -> list[Pair]:
+                     current_version: int | None = None, max_staleness: int | None = None,
+                     users: list[str] | None = None) -> list[Pair]:
         """The training batch of run `claim_id`: oldest pending pairs first, at most `max_turns`
         and `max_tokens` (prompt + response; the first pair always fits), skipping turns more than
-        `max_staleness` policy versions behind `current_version`. Claimed for `claim_id`; a retry
-        with the same id returns the same batch while it is not committed or released."""
+        `max_staleness` policy versions behind `current_version`; `users`: only their turns.
+        Claimed for `claim_id`; a retry with the same id returns the same batch while it is not
+        committed or released."""
         with self.connect() as con:
             con.execute("BEGIN TRANSACTION").fetchall()
             try:
@@ -277,7 +279,8 @@ class Catalog:
                     pairs = queries.batch(self, con, max_turns=len(mine), only_ids=mine)
                 else:
                     pairs = queries.batch(self, con, max_turns=max_turns, max_tokens=max_tokens,
-                                          current_version=current_version, max_staleness=max_staleness)
+                                          current_version=current_version, max_staleness=max_staleness,
+                                          users=users)
                     con.execute("INSERT INTO claims SELECT id, $me, now() FROM unnest($ids::VARCHAR[]) AS u(id)",
                                 {"me": claim_id, "ids": [p.turn_id for p in pairs]}).fetchall()
                 con.execute("COMMIT").fetchall()
@@ -286,6 +289,11 @@ class Catalog:
                     con.execute("ROLLBACK").fetchall()
                 raise
         return pairs
+
+    def pending_users(self) -> dict[str, int]:
+        """{user: turns with a next state waiting to be trained on}, for every user who has some."""
+        with self.connect() as con:
+            return queries.pending_users(con)
 
     def release(self, claim_id: str) -> int:
         """Give back a batch that will not be committed (the run gave up); how many turns."""

@@ -97,12 +97,16 @@ def full_rows(cat: CatalogView, con: duckdb.DuckDBPyConnection, ids: list[str], 
 
 def batch(cat: CatalogView, con: duckdb.DuckDBPyConnection, max_turns: int, max_tokens: int | None = None,
           current_version: int | None = None, max_staleness: int | None = None,
-          only_ids: list[str] | None = None) -> list[Pair]:
-    """Pending pairs oldest first (or exactly the turns `only_ids`, e.g. a run's claim)."""
+          only_ids: list[str] | None = None, users: list[str] | None = None) -> list[Pair]:
+    """Pending pairs oldest first (or exactly the turns `only_ids`, e.g. a run's claim); `users`:
+    only those users' turns."""
     if max_turns <= 0:
         return []
     where, budget = ["true"], "true"
     params: dict[str, Any] = {"max_turns": max_turns}
+    if users is not None:
+        where.append('list_contains($users, "user")')
+        params["users"] = users
     if only_ids is not None:
         where.append("list_contains($only, turn_id)")
         params["only"] = only_ids
@@ -124,6 +128,12 @@ def batch(cat: CatalogView, con: duckdb.DuckDBPyConnection, max_turns: int, max_
         pair["next_role"] = _first_role(pair["next_state"])
         pairs.append(pair)
     return [Pair.from_row(p) for p in attach_env_rewards(cat, con, pairs)]
+
+
+def pending_users(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """{user: pending pairs} of every user with turns waiting to be trained on."""
+    sql = _PENDING.format(source="pending") + 'SELECT "user", count(*) FROM pairs GROUP BY "user" ORDER BY "user"'
+    return {u: n for u, n in con.execute(sql).fetchall()}
 
 
 def closed_without_next_state(cat: CatalogView, con: duckdb.DuckDBPyConnection, idle_s: float,
