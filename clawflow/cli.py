@@ -139,34 +139,59 @@ def export(out: Path = typer.Argument(..., help="file to write (.parquet or .jso
 
 
 @app.command()
-def forget(session: str = typer.Argument(..., help="the session id to remove"),
+def forget(session: Optional[str] = typer.Argument(None, help="the session id to remove"),
+           user: Optional[str] = typer.Option(None, "--user", "-u", help="instead: every turn of this user, their "
+                                              "standing preferences and their own adapter versions"),
            yes: bool = typer.Option(False, "--yes", "-y", help="do not ask for confirmation"),
            config: Optional[Path] = ConfigOpt) -> None:
-    """Remove a session's turns everywhere: shards, WAL, catalog, judgments, training samples."""
+    """Remove a session's turns everywhere: shards, WAL, catalog, judgments, training samples (--user:
+    all of a user's, and their preferences and adapter versions)."""
     import duckdb
 
+    from clawflow.prefs.store import PreferenceStore
     from clawflow.store.catalog import Catalog
-    from clawflow.store.privacy import forget_session
+    from clawflow.store.privacy import forget_session, forget_user
 
+    if (session is None) == (user is None):
+        console.print("[red]error:[/red] name a SESSION, or a user with --user NAME (not both)")
+        raise typer.Exit(2)
     cfg = _cfg(config)
-    if not yes and not typer.confirm(f"Permanently remove every turn of session {session!r}?"):
+    what = f"every turn, preference and adapter version of user {user!r}" if user else \
+        f"every turn of session {session!r}"
+    if not yes and not typer.confirm(f"Permanently remove {what}?"):
         raise typer.Exit(1)
     try:
-        r = forget_session(Catalog.for_config(cfg), session)
+        r = forget_user(Catalog.for_config(cfg), user) if user else forget_session(Catalog.for_config(cfg), session)
+        prefs = PreferenceStore.for_config(cfg)
+        dropped = prefs.forget_user(user) if user else prefs.forget_session(session)
     except (OSError, duckdb.Error) as exc:  # e.g. the catalog stayed locked by a running training
         console.print(f"[red]error:[/red] {escape(f'{exc.__class__.__name__}: {exc}')}", soft_wrap=True)
         raise typer.Exit(1) from None
-    from clawflow.prefs.store import PreferenceStore
+    gone = f"forgot {'user ' + user if user else 'session'}: {r.turns} turns from {r.shards} shards, " \
+           f"{r.wal_records} unsealed turns, {r.judgments} judgments, {r.samples} training samples, " \
+           f"{r.catalog_rows} catalog rows, {len(dropped)} standing preferences"
+    if user:
+        gone += ", " + _forget_adapters(cfg, user)
+    else:
+        gone += " that came only from it" + (f" ({', '.join(dropped)})" if dropped else "")
+    console.print(escape(gone), soft_wrap=True)
 
+
+def _forget_adapters(cfg, user: str) -> str:
+    """A forgotten user's own adapter versions: out of the gateway, the registry and the disk."""
+    import httpx
+
+    from clawflow.policy import registry
+
+    if user == cfg.serving.user:
+        return "their versions are the shared policy's and stay (roll them back with `clawflow rollback`)"
     try:
-        dropped = PreferenceStore.for_config(cfg).forget_session(session)
-    except OSError as exc:
-        console.print(f"[red]error:[/red] {escape(f'{exc.__class__.__name__}: {exc}')}", soft_wrap=True)
-        raise typer.Exit(1) from None
-    console.print(f"forgot session: {r.turns} turns from {r.shards} shards, {r.wal_records} unsealed turns, "
-                  f"{r.judgments} judgments, {r.samples} training samples, {r.catalog_rows} catalog rows, "
-                  f"{len(dropped)} standing preferences that came only from it" + (f" ({', '.join(dropped)})"
-                                                                                   if dropped else ""))
+        httpx.delete(f"{cfg.gateway_url}/admin/users/{user}/adapter", timeout=60,
+                     headers={"Authorization": f"Bearer {cfg.serving.admin_key}"})
+    except httpx.HTTPError:
+        pass  # no gateway running: it loads no adapter for a line that no longer exists
+    deleted = registry.delete_line(registry.for_user(cfg, user))
+    return f"{len(deleted)} adapter versions"
 
 
 prefs_app = typer.Typer(help="Standing preferences: what users asked for, distilled by every training run.",

@@ -75,5 +75,5 @@ def register(app: typer.Typer, load, config_opt) -> None:
             _fail(exc)
         state = "removed" if gone else "was already removed"
         console.print(f"user {escape(name)} {state}: their key is refused from now on. Their recorded turns stay "
-                      "until you remove their sessions with `clawflow forget SESSION_ID`.",
+                      "until you remove them with `clawflow forget --user NAME`.",
                       soft_wrap=True, highlight=False)

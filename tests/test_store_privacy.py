@@ -85,6 +85,42 @@ def test_forget_removes_the_session_everywhere(tmp_path):
     assert forget_session(cat, "alice").turns == 1  # the new conversation, on a second request
 
 
+def mine(name: str, rec):
+    rec.user = name
+    return rec
+
+
+def test_forget_user_removes_every_turn_of_theirs_and_only_theirs(tmp_path):
+    """alice and bob both used session id "shared"; forgetting alice removes her turns in every
+    session (shards, closed and active WAL, catalog, judgments, samples), and none of bob's."""
+    from test_store_catalog import of_user
+
+    from clawflow.store.privacy import forget_user
+
+    home = tmp_path / "home"
+    seal(home, of_user("alice", conversation("shared", 2) + conversation("hers", 2, 1))
+         + of_user("bob", conversation("shared", 3, 0.5)))
+    cat = Catalog(home / "catalog.duckdb", home / "shards")
+    alice_ids = [p.turn_id for p in pending_pairs(cat, 99) if p.user == "alice"]
+    cat.commit_consumed(alice_ids[:1], "run-1", 1)
+    write_judgments(home / "judgments" / "part-0.parquet", [
+        {"turn_id": alice_ids[0], "session_id": "shared", "judge": "rules", "score": 1, "created_at": T0}])
+    write_segment(home / "wal", [mine("alice", turn("shared", 7)), mine("bob", turn("shared", 8))])
+    writer = SegmentWriter(home / "wal", fsync=False)
+    writer.append(mine("alice", turn("later", 0, at=datetime.now(UTC) - timedelta(seconds=1))))  # active, pre-forget
+
+    report = forget_user(cat, "alice")
+    assert (report.turns, report.wal_records, report.judgments, report.catalog_rows) == (4, 1, 1, 1)
+    after = mine("alice", turn("new", 0, at=datetime.now(UTC) + timedelta(seconds=1)))  # she comes back later
+    writer.append(after)
+    Sealer(writer, home / "shards", interval_s=1).seal_all()  # the user's tombstone drops "later" at sealing
+    rows = shard_rows(home / "shards")
+    assert [r["turn_id"] for r in rows if r["user"] == "alice"] == [after.turn_id]
+    assert sorted(r["turn_index"] for r in rows if r["user"] == "bob") == [0, 1, 2, 8]  # bob's "shared" stays
+    assert "alice" not in (home / "forgotten.jsonl").read_text()  # only a hash is kept
+    assert not pq.read_table(home / "judgments" / "part-0.parquet").num_rows
+
+
 def test_forget_and_export_treat_session_ids_as_data(tmp_path):
     home = tmp_path / "home"
     cat = populated(home)

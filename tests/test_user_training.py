@@ -10,11 +10,14 @@ tests/test_shipped_recipe.py); this test is about whose line a run trains and wh
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from test_gate_judged import seal_turns
+from test_store import shard_rows
 from test_shipped_recipe import champion_adapter, sessions, shipped_recipe_config
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
@@ -22,6 +25,7 @@ from typer.testing import CliRunner
 from clawflow.cli import app as cli
 from clawflow.config import load_config
 from clawflow.policy import registry, reload
+from clawflow.prefs.store import PreferenceStore
 from clawflow.store.catalog import Catalog
 from conftest import admin, free_port, running_gateway
 
@@ -99,3 +103,15 @@ def test_alices_corrections_train_her_own_adapter_and_only_she_is_served_it(tmp_
     with running_gateway(cfg):  # a restarted gateway serves alice her champion again
         assert httpx.get(f"{cfg.gateway_url}/admin/users/alice/adapter", headers=admin(cfg)).json()["version"] == 1
         assert replies(cfg, KEYS["alice"]) == after["alice"] and replies(cfg, KEYS["bob"]) == before["bob"]
+
+        # forgetting alice: her turns, preferences and adapter versions go; the gateway stops serving hers
+        checkpoint = registry.champion(alice)[1]
+        forgot_at = datetime.now(UTC)
+        gone = runner.invoke(cli, ["forget", "--user", "alice", "--yes", "--config", str(cfg.source_file)])
+        assert gone.exit_code == 0 and "1 adapter versions" in gone.output, gone.output
+        assert httpx.get(f"{cfg.gateway_url}/admin/users/alice/adapter", headers=admin(cfg)).json()["path"] is None
+        assert replies(cfg, KEYS["alice"]) == before["alice"]  # the shared policy again
+    assert registry.user_lines(cfg) == [] and not Path(checkpoint).exists()
+    assert PreferenceStore.for_config(cfg).load() == []
+    left = [t for t in shard_rows(cfg.home / "shards") if t["user"] == "alice"]
+    assert left and all(t["created_at"] > forgot_at for t in left)  # only what she said after being forgotten

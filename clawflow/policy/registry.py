@@ -285,6 +285,35 @@ def rollback(cfg: Config, target: int | str | None = None) -> tuple[int, int, st
     return current[0], version, path
 
 
+def delete_line(cfg: Config) -> list[str]:
+    """Delete `cfg.registry.user`'s version line (never the shared policy's): the registered model
+    and the checkpoint directories of its versions under $CLAWFLOW_HOME. Their runs stay in the
+    experiment (metrics only). Returns the deleted checkpoint directories."""
+    import shutil
+
+    from mlflow.exceptions import MlflowException
+
+    if cfg.registry.user is None:
+        raise ValueError("the shared policy's line is not deleted; roll it back instead")
+    client = _client(cfg)
+    try:
+        versions = client.search_model_versions(f"name='{model_name(cfg)}'")
+    except MlflowException:
+        return []
+    checkpoints = Path(cfg.home).resolve() / "checkpoints"
+    gone = []
+    for mv in versions:
+        src = Path(mv.source.removeprefix("file://"))
+        if src.is_dir() and src.resolve().is_relative_to(checkpoints):  # ours: never a path elsewhere
+            shutil.rmtree(src)
+            gone.append(str(src))
+    try:
+        client.delete_registered_model(model_name(cfg))
+    except MlflowException:
+        pass  # deleted meanwhile
+    return gone
+
+
 def list_versions(cfg: Config) -> list[dict[str, Any]]:
     """Every version, newest first: number, aliases, tags, source, creation time, run metrics."""
     from mlflow.exceptions import MlflowException

@@ -74,6 +74,17 @@ class PreferenceStore:
             self._save(prefs)
         return dropped
 
+    def forget_user(self, user: str) -> list[str]:
+        """Drop every preference of `user` (any status); their ids."""
+        if not self.storage.exists(self.path):
+            return []
+        with store_lock(self.home):
+            prefs = self.load()
+            dropped = [p.pref_id for p in prefs if p.user == user]
+            if dropped:
+                self._save([p for p in prefs if p.user != user])
+        return dropped
+
     def query(self, con, sql: str) -> list[tuple]:
         """`sql` over the view `preferences` on a DuckDB connection (e.g. the catalog's)."""
         if not self.storage.exists(self.path):

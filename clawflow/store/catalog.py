@@ -218,8 +218,9 @@ class Catalog:
         tombstones = load_tombstones(self.home)
         if not tombstones or not table.num_rows:
             return info, table, mtime
-        gone = [forgotten(tombstones, s, at) for s, at in
-                zip(table["session_id"].to_pylist(), table["created_at"].to_pylist())]
+        users = table["user"].to_pylist() if "user" in table.column_names else [None] * table.num_rows
+        gone = [forgotten(tombstones, s, at, u) for s, at, u in
+                zip(table["session_id"].to_pylist(), table["created_at"].to_pylist(), users)]
         if not any(gone):
             return info, table, mtime
         kept = table.filter(pa.array([not g for g in gone]))

@@ -38,7 +38,8 @@ from clawflow.store.maintenance import rewrite_without
 from clawflow.contracts.turn import ARROW_SCHEMA, JSON_FIELDS
 from clawflow.store.shards import TMP_SUFFIX, write_parquet_atomic
 from clawflow.store.storage import Storage
-from clawflow.store.tombstones import add_tombstone
+from clawflow.contracts.turn import DEFAULT_USER
+from clawflow.store.tombstones import add_tombstone, add_user_tombstone
 from clawflow.store.wal import closed_segments, fsync_dir
 
 log = logging.getLogger("clawflow.store.privacy")
@@ -97,11 +98,25 @@ def _write_jsonl(table: pa.Table, out: Path) -> None:
 
 def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) -> ForgetReport:
     """Remove every stored turn of `session_id` created up to `at` (now) from everywhere."""
+    add_tombstone(cat.home, session_id, at)  # first: a seal racing us drops the session too
+    report = _forget(cat, "session_id = $v", session_id, "session_id", (J.session_id, session_id))
+    log.info("forgot a session: %s", report)
+    return report
+
+
+def forget_user(cat: Catalog, user: str, at: datetime | None = None) -> ForgetReport:
+    """Remove every stored turn `user` sent up to `at` (now), in every session, from everywhere;
+    other users' turns, even in a session of the same id, stay."""
+    add_user_tombstone(cat.home, user, at)  # first: a seal racing us drops their turns too
+    report = _forget(cat, '"user" = $v', user, "user", None)
+    log.info("forgot a user's turns: %s", report)
+    return report
+
+
+def _forget(cat: Catalog, where: str, value: str, wal_field: str, judgment_session: tuple[str, str] | None):
     home = cat.home
-    add_tombstone(home, session_id, at)  # first: a seal racing us drops the session too
     with cat.connect() as con, store_lock(home):
-        found = con.execute("SELECT turn_id, path FROM turn_keys WHERE session_id = $sid",
-                            {"sid": session_id}).fetchall()
+        found = con.execute(f"SELECT turn_id, path FROM turn_keys WHERE {where}", {"v": value}).fetchall()
         ids, files = [r[0] for r in found], {r[1] for r in found}
         removed = rewrite_without(cat, con, files, set(ids)) if ids else 0
         catalog_rows = 0
@@ -109,28 +124,28 @@ def forget_session(cat: Catalog, session_id: str, at: datetime | None = None) ->
             catalog_rows += len(con.execute(f"DELETE FROM {table} WHERE list_contains($ids, turn_id) RETURNING turn_id",
                                             {"ids": ids}).fetchall())
         con.execute("CHECKPOINT").fetchall()  # deleted rows leave the WAL file now, not later
-        wal = _forget_in_segments(Home(home).wal, session_id)
+        wal = _forget_in_segments(Home(home).wal, wal_field, value)
         storage = cat.storage  # the storage root: local, or the object store every host shares
-        judgments = sum(_drop_rows(storage, p, ids, J.turn_id, (J.session_id, session_id))
-                        for p in judgment_files(storage))
+        judgments = sum(_drop_rows(storage, p, ids, J.turn_id, judgment_session) for p in judgment_files(storage))
         # the trainer's own copies of past batches, and on an object store the copies kept beside
         # the shards (feedback.keep_samples)
         roots = [Storage(home)] + ([storage] if storage.remote else [])
         samples = sum(_drop_rows(root, p, ids, S.turn_id) for root in roots for p in sample_files(root))
-    report = ForgetReport(removed, len(files), wal, judgments, samples, catalog_rows)
-    log.info("forgot a session: %s", report)
-    return report
+    return ForgetReport(removed, len(files), wal, judgments, samples, catalog_rows)
 
 
-def _forget_in_segments(wal_dir: Path, session_id: str) -> int:
-    """Drop the session's lines from closed segments (the active one is left to the tombstone)."""
+def _forget_in_segments(wal_dir: Path, field: str, value: str) -> int:
+    """Drop the lines whose `field` is `value` from closed segments (the active one is left to the
+    tombstone)."""
     removed = 0
     for seg in closed_segments(wal_dir):
         lines = seg.read_bytes().split(b"\n")
         kept = []
         for line in lines:
             try:
-                mine = json.loads(line).get("session_id") == session_id if line.strip() else False
+                # a record from before users existed has no `user`: it is the default user's
+                mine = json.loads(line).get(field, DEFAULT_USER if field == "user" else None) == value \
+                    if line.strip() else False
             except ValueError:
                 mine = False  # torn lines stay; the sealer reports them
             removed += mine

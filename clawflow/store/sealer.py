@@ -78,7 +78,7 @@ def seal_segment(segment: Path, shards_dir: Path, *, row_group_rows: int = 122_8
     records, torn = read_segment(segment)
     if torn:
         STORE.add(wal_records_skipped=torn)
-    kept = [r for r in records if not forgotten(tombstones or {}, r.session_id, r.created_at)]
+    kept = [r for r in records if not forgotten(tombstones or {}, r.session_id, r.created_at, r.user)]
     if len(kept) < len(records):
         STORE.add(turns_forgotten_at_seal=len(records) - len(kept))
         log.info("dropped %d turns of forgotten sessions from %s", len(records) - len(kept), segment.name)
