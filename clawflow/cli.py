@@ -119,8 +119,10 @@ def export(out: Path = typer.Argument(..., help="file to write (.parquet or .jso
            session: Optional[list[str]] = typer.Option(None, "--session", "-s", help="a session id (repeatable)"),
            all_sessions: bool = typer.Option(False, "--all", help="every session"),
            fmt: Optional[str] = typer.Option(None, "--format", help="parquet | jsonl (default: from the suffix)"),
+           user: Optional[str] = typer.Option(None, "--user", "-u", help="only this user's turns"),
            config: Optional[Path] = ConfigOpt) -> None:
-    """Export the sealed turns of chosen sessions (DuckDB, pandas and polars read the Parquet)."""
+    """Export the sealed turns of chosen sessions (DuckDB, pandas and polars read the Parquet);
+    --user: only that user's (with --all: every turn of theirs)."""
     import duckdb
 
     from clawflow.store.catalog import Catalog
@@ -131,7 +133,7 @@ def export(out: Path = typer.Argument(..., help="file to write (.parquet or .jso
         console.print("[red]error:[/red] name sessions with --session ID (repeatable) or pass --all")
         raise typer.Exit(2)
     try:
-        n = export_sessions(Catalog.for_config(cfg), out, None if all_sessions else session, fmt)
+        n = export_sessions(Catalog.for_config(cfg), out, None if all_sessions else session, fmt, user)
     except (ValueError, OSError, duckdb.Error) as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2 if isinstance(exc, ValueError) else 1) from None

@@ -76,3 +76,37 @@ def test_a_users_adapter_serves_only_their_key_and_their_turns_record_its_versio
     assert ("alice", 5) in served and ("alice", None) in served
     assert all(v is None for u, v in served if u != "alice")  # bob's and the default key's: the shared policy
     assert sum(t["user"] == "alice" and t["adapter_version"] == 5 for t in turns) == 2
+
+
+def test_a_users_key_reads_and_exports_only_their_own_data(make_config, adapters):
+    keys = {"alice": "alice-key", "bob": "bob-key"}
+    cfg = make_config(serving={"users": {u: hashlib.sha256(k.encode()).hexdigest() for u, k in keys.items()}})
+    base = cfg.gateway_url + "/v1/clawflow"
+
+    def get(path: str, key: str, **params):
+        return httpx.get(base + path, params=params, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    with running_gateway(cfg):
+        for u, k in keys.items():  # both use session id "shared": neither may see the other's turn in it
+            r = httpx.post(f"{cfg.gateway_url}/v1/chat/completions", timeout=120,
+                           headers={"Authorization": f"Bearer {k}", "X-Session-Id": "shared"},
+                           json={"messages": [{"role": "user", "content": f"{u} says hi"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        httpx.post(f"{cfg.gateway_url}/admin/users/alice/adapter", headers=admin(cfg), timeout=60,
+                   json={"path": str(adapters["a0"]), "version": 4}).raise_for_status()
+        sealed_turns(cfg)
+
+        me = get("/me", keys["alice"]).json()
+        assert (me["user"], me["adapter_version"], me["preferences"]) == ("alice", 4, [])
+        assert get("/me", keys["bob"]).json()["adapter_version"] is None
+        exported = get("/export", keys["alice"])
+        assert exported.status_code == 200
+        rows = [line for line in exported.text.splitlines() if line]
+        assert len(rows) == 1 and '"alice says hi"' in rows[0] and "bob says hi" not in exported.text
+
+        err = assert_error_json(get("/export", keys["bob"], user="alice"), 403, "permission_error")
+        assert "own data" in err["message"]
+        assert_error_json(get("/me", "cf-nobody"), 401, "authentication_error")
+        as_admin = get("/export", cfg.serving.admin_key, user="bob")  # the admin key reads anyone's
+        assert as_admin.status_code == 200 and "bob says hi" in as_admin.text and "alice" not in as_admin.text
+        assert get("/me", cfg.serving.admin_key, user="alice").json()["adapter_version"] == 4

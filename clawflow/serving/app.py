@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from clawflow.serving.admin_users import user_adapter_routes
+from clawflow.serving.user_routes import user_routes
 from clawflow.serving.gateway import BadRequest, Gateway, TurnContext
 from clawflow.serving.generation import QueueFull, ReloadError
 from clawflow.serving.protocol import ChatCompletionRequest, error_body
@@ -112,7 +113,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        kind = "authentication_error" if exc.status_code == 401 else "invalid_request_error"
+        kind = {401: "authentication_error", 403: "permission_error"}.get(exc.status_code, "invalid_request_error")
         return _error(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(RequestValidationError)
@@ -229,6 +230,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
         return answer
 
     app.include_router(user_adapter_routes(gw.engine, require_admin))
+    app.include_router(user_routes(gw, require_key))
 
     @app.post("/admin/seal", dependencies=[Depends(require_admin)])
     async def seal():

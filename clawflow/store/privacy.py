@@ -57,16 +57,23 @@ class ForgetReport:
     catalog_rows: int  # consumed + claims rows
 
 
-def export_sessions(cat: Catalog, out: Path, sessions: list[str] | None, fmt: str | None = None) -> int:
-    """Write the sealed turns of `sessions` (None: all) to `out` as Parquet or JSONL; the row count."""
+def export_sessions(cat: Catalog, out: Path, sessions: list[str] | None, fmt: str | None = None,
+                    user: str | None = None) -> int:
+    """Write the sealed turns of `sessions` (None: all) to `out` as Parquet or JSONL; the row count.
+    `user`: only that user's turns (another user's turns in a session of the same id stay out)."""
     out = Path(out)
     fmt = fmt or ("jsonl" if out.suffix in (".jsonl", ".json") else "parquet")
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (choose parquet or jsonl)")
     with cat.connect() as con:
-        where, params = "", {}
+        conds, params = ["true"], {}
         if sessions is not None:
-            where, params = "WHERE list_contains($sessions, session_id)", {"sessions": list(sessions)}
+            conds.append("list_contains($sessions, session_id)")
+            params["sessions"] = list(sessions)
+        if user is not None:
+            conds.append('"user" = $user')
+            params["user"] = user
+        where = "WHERE " + " AND ".join(conds)
         paths = [r[0] for r in con.execute(f"SELECT DISTINCT path FROM turn_keys {where}", params).fetchall()]
         src = cat.turns_from(con, only=paths) if paths else None
         table = ARROW_SCHEMA.empty_table()
