@@ -126,6 +126,7 @@ class Server:
     base_url: str  # …/v1 for the SDK
     api_key: str
     model: str
+    keys: list[str] = field(default_factory=list)  # client k sends keys[k % len], when set (users' own keys)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -144,7 +145,7 @@ SERVED: dict[str, str] = {}  # server -> the dtype it served in
 
 
 def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str | None = None,
-                   linear_kernel: str | None = None) -> Server:
+                   linear_kernel: str | None = None, users: dict[str, str] | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     raw["home"] = str(tmp / "clawflow-home")
@@ -156,6 +157,8 @@ def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str |
         raw["serving"]["dtype"] = dtype
     if linear_kernel:
         raw["serving"]["linear_kernel"] = linear_kernel
+    if users:  # name -> SHA-256 of their key
+        raw["serving"]["users"] = users
     cfg = tmp / "clawflow.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     log = tmp / "clawflow.log"
@@ -237,7 +240,8 @@ async def client_loop(server: Server, k: int, max_tokens: int, out: list[Req], f
                       done_count: list[int], draw: Draw) -> None:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=600)
+    key = server.keys[k % len(server.keys)] if server.keys else server.api_key
+    client = AsyncOpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=600)
     j = 0
     while True:
         j += 1
