@@ -73,7 +73,7 @@ def test_after_a_reload_the_hot_prompt_is_a_hit_with_the_new_weights_kv(engine, 
     engine.reload(perturbed_model_dir, version=1)
     info = engine.last_rewarm
     assert info["ok"] and info["complete"] and info["prompts"] == 2, info
-    staged = dict(engine.batcher._staged[1])
+    staged = {tokens: layers for _, tokens, layers in engine.batcher._staged[1]}  # the shared policy's: no adapter
     fresh = hf_model(perturbed_model_dir)(torch.tensor([list(hot)]), use_cache=True).past_key_values
     for (k, v), layer in zip(staged[tuple(hot)], fresh.layers):  # the KV a fresh prefill of v1 gives
         assert torch.allclose(k, layer.keys, atol=1e-5) and torch.allclose(v, layer.values, atol=1e-5)

@@ -104,10 +104,18 @@ def test_interleaved_users_each_get_their_own_adapter(tiny_model_dir, adapters, 
 
         # the shared weights reloaded while a replaced adapter still waits to be dropped: every user's
         # adapter rides on, and the re-warm is not held up by the drop (which waits for the reload)
+        # The users' prompts are re-warmed on the new weights with their own adapters, so their next
+        # turns reuse that KV (and decode what their adapter alone decodes from it).
         engine.load_user_adapter("alice", str(adapters["a2"]))
+        _interleaved(engine, ["alice"])  # her prompts cached under her new adapter version
         assert engine.reload(tiny_model_dir, 1) < 20 and engine.last_rewarm["ok"] and engine.last_rewarm["prompts"]
-        got = _interleaved(engine, ["alice", "bob", "carol"])
-        assert got["alice"] == alone["a2"] and got["bob"] == alone["a1"] and got["carol"] == before
+        assert engine.last_rewarm["users_prompts"] >= 2 * len(PROMPTS)  # alice's and bob's
+        hits = engine.stats().prefix_cache_hits
+        got = {u: [Reply(engine.generate(p, GREEDY, user=u)) for p in PROMPTS] for u in ("alice", "bob", "carol")}
+        assert engine.stats().prefix_cache_hits - hits == 3 * len(PROMPTS)  # every turn found its re-warmed KV
+        assert got["carol"] == before
+        assert got["bob"] == alone["a1"]
+        assert got["alice"] == alone["a2"]
 
         engine.unload_user_adapter("alice")
         assert engine.user_adapter("alice") is None

@@ -40,7 +40,6 @@ So this is a compact left-padded decoder over a `DynamicCache` whose layers appe
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -56,6 +55,7 @@ import torch
 from clawflow.serving import fused_step
 from clawflow.serving.generation import Generation, QueueFull, SamplingParams, TokenCallback
 from clawflow.serving.prefix_cache import PrefixCache
+from clawflow.serving.adapter_rows import prefix_key, route
 from clawflow.serving.rewarm import SLICE_S, YIELD_S, RewarmJob, RewarmResult
 from clawflow.serving.sampling import sample
 
@@ -194,7 +194,7 @@ class Batcher:
         try:
             if not job.started:  # which prompts are hot is read here: the cache is this thread's
                 owner = self._prefix_owner
-                job.begin(self.prefix.hottest(owner[1]) if owner is not None else [])
+                job.begin(self.prefix.hottest_adapters(owner[1]) if owner is not None else [])
             budget = self.rewarm_slice_s
             if not job.expired():
                 with self._cv:
@@ -311,7 +311,7 @@ class Batcher:
         end = self._chunk_end(row)
         # logits_to_keep=1: only the last position is sampled; the prompt's other logits (the lm_head
         # over every prompt token, ~20 % of a prefill) would be thrown away.
-        with _route(row.policy, [row.adapter], [end - row.filled]):
+        with route(row.policy, [row.adapter], [end - row.filled]):
             out = row.policy.model(torch.tensor([row.prompt_ids[row.filled:end]]), cache=row.cache, use_cache=True,
                                    logits_to_keep=1, position_ids=torch.arange(row.filled, end)[None])
         row.filled = end
@@ -345,7 +345,7 @@ class Batcher:
         decoding = batch.rows if batch is not None else []
         counts = [1] * len(decoding) + [len(c.ids) for c in chunks]  # a decode row is one row, a chunk its tokens
         try:
-            with _route(policy, [r.adapter for r in decoding + riders], counts):
+            with route(policy, [r.adapter for r in decoding + riders], counts):
                 if batch is None:
                     none = torch.zeros(0, dtype=torch.long)
                     _, chunk_logits = fused_step.forward(policy.model, none, none, None, None, chunks)
@@ -376,7 +376,7 @@ class Batcher:
         self._prefilling.remove(row)
         row.cache = None  # the batch owns it from here
         if self.prefix is not None:  # the cache holds exactly the prompt's KV here (no sampled token yet)
-            self.prefix.store(_prefix_key(policy, row.adapter), row.prompt_ids,
+            self.prefix.store(prefix_key(policy, row.adapter), row.prompt_ids,
                               [(layer.keys, layer.values) for layer in cache.layers])
         if self._emit(row, logits):
             return self._finish(row)
@@ -405,14 +405,14 @@ class Batcher:
                 self.prefix.drop_version(owner[1])
             staged, self._staged = self._staged, None
             if staged is not None and staged[0]() is policy:  # KV this very model re-warmed
-                for tokens, layers in reversed(staged[1]):  # hottest last: most recently used
-                    self.prefix.store(policy.version, list(tokens), layers)
+                for staged_adapter, tokens, layers in reversed(staged[1]):  # hottest last: most recently used
+                    self.prefix.store(prefix_key(policy, staged_adapter), list(tokens), layers)
         self._prefix_owner = (weakref.ref(policy), policy.version)
-        return self.prefix.lookup(_prefix_key(policy, adapter), prompt_ids)
+        return self.prefix.lookup(prefix_key(policy, adapter), prompt_ids)
 
     def _step(self, batch: _Batch) -> None:
         mask = torch.cat([batch.mask, torch.ones(len(batch.rows), 1, dtype=torch.long)], 1)
-        with _route(batch.policy, [r.adapter for r in batch.rows]):
+        with route(batch.policy, [r.adapter for r in batch.rows]):
             out = batch.policy.model(batch.last[:, None], attention_mask=mask, position_ids=batch.pos[:, None],
                                      cache=batch.cache, use_cache=True)
         self._advance(batch, mask, out.logits[:, -1])
@@ -472,22 +472,6 @@ class Batcher:
             row.future.set_result(Generation(row.out_ids, row.logprobs, row.text, row.finish,
                                              row.policy.version, row.top,
                                              adapter_version=row.adapter[2] if row.adapter is not None else None))
-
-
-def _prefix_key(policy, adapter: Any):
-    """Where a prompt's KV is cached: under the policy's version, and its adapter's key when it has one
-    (another adapter's KV of the same tokens differs)."""
-    return policy.version if adapter is None else (policy.version, adapter)
-
-
-def _route(policy, adapters: list, counts: list[int] | None = None):
-    """The forward's rows routed to their adapters (serving/multi_lora.py) when any row has one."""
-    if all(a is None for a in adapters):
-        return contextlib.nullcontext()
-    multi = getattr(policy.model, "clawflow_multi_lora", None)
-    if multi is None:
-        raise RuntimeError("a row names an adapter, and its policy's model serves none")
-    return multi.route(adapters, counts)
 
 
 class _FusedFailed(Exception):

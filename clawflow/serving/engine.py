@@ -297,7 +297,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
             return {"ok": False, "error": f"{exc.__class__.__name__}: {exc}",
                     "seconds": round(time.perf_counter() - t0, 3)}
         self.batcher.adopt(policy, res.entries)
-        info = {"ok": True, "prompts": len(res.entries), "tokens": sum(len(t) for t, _ in res.entries),
+        info = {"ok": True, "prompts": len(res.entries), "tokens": sum(len(t) for _, t, _ in res.entries),
+                "users_prompts": sum(a is not None for a, _, _ in res.entries),
                 "prefilled": res.prefilled, "complete": res.complete, "chunks": res.chunks, "yielded": res.yielded,
                 "seconds": round(time.perf_counter() - t0, 3)}
         log.info("re-warmed v%s: %s", policy.version, info)

@@ -96,6 +96,17 @@ class PrefixCache:
         keys = [k for k in reversed(self._entries) if k[0] == version]  # most recent first
         return [k[1] for k in sorted(keys, key=lambda k: -self._uses[k])]  # stable: recency breaks ties
 
+    def hottest_adapters(self, version) -> list[tuple[Any, tuple[int, ...]]]:
+        """(adapter key or None, prompt) of every entry of `version`, its users' adapters' included,
+        most used first (the re-warm's order)."""
+        def adapter(k):
+            if k[0] == version:
+                return None
+            return k[0][1] if isinstance(k[0], tuple) and len(k[0]) == 2 and k[0][0] == version else False
+
+        keys = [k for k in reversed(self._entries) if adapter(k) is not False]  # most recent first
+        return [(adapter(k), k[1]) for k in sorted(keys, key=lambda k: -self._uses[k])]
+
     def entries(self, version) -> list[tuple[tuple[int, ...], Layers]]:
         """`version`'s (prompt, per-layer KV), least recently used first."""
         return [(k[1], layers) for k, layers in self._entries.items() if k[0] == version]

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from clawflow.serving import fused_step
+from clawflow.serving.adapter_rows import loaded, prefix_key, route
 from clawflow.serving.prefix_cache import Layers, PrefixCache
 
 SLICE_S = 0.25  # seconds a re-warm step aims at: what a request arriving mid-step waits at most
@@ -61,7 +62,7 @@ MIN_CHUNK = 32  # a model prefilled a chunk per step (not layer by layer): its c
 
 @dataclass
 class RewarmResult:
-    entries: list[tuple[tuple[int, ...], Layers]]  # hottest first
+    entries: list[tuple[Any, tuple[int, ...], Layers]]  # (adapter key or None, prompt, KV), hottest first
     prefilled: int  # tokens run through the new model
     seconds: float
     complete: bool  # False: stopped at the deadline or by the budget before every hot prompt
@@ -74,15 +75,16 @@ class RewarmJob:
                  slice_s: float = SLICE_S):
         self.policy, self.budget, self.deadline = policy, budget_tokens, deadline
         self.staging = PrefixCache(cache_tokens, min_tokens)
-        self.queue: deque[tuple[int, ...]] = deque()
+        self.queue: deque[tuple[Any, tuple[int, ...]]] = deque()  # (adapter, prompt)
         self.started = False
         self.future: Future = Future()
         self.prefilled = 0
         self.skipped = 0  # hot prompts left out: over the budget
         self._tokens: tuple[int, ...] | None = None  # the prompt being prefilled
+        self._adapter: Any = None  # the user's adapter it is prefilled with (None: the shared policy)
         self._done = 0  # how many of its tokens the cache below holds in every layer
         self._cache: Any = None
-        self._order: list[tuple[int, ...]] = []  # prompts staged, hottest first
+        self._order: list[tuple[Any, tuple[int, ...]]] = []  # (adapter, prompt) staged, hottest first
         self._t0 = time.perf_counter()
         self.cancelled = False
         self.slice_s = slice_s
@@ -96,9 +98,11 @@ class RewarmJob:
         self.chunks = 0
         self.yielded = 0  # counted by the batcher
 
-    def begin(self, prompts: list[tuple[int, ...]]) -> None:
-        """The prompts to re-warm, hottest first (read by the decode thread, which owns the cache)."""
-        self.queue.extend(p for p in prompts if len(p) >= self.staging.min_tokens)
+    def begin(self, prompts: list[tuple[Any, tuple[int, ...]]]) -> None:
+        """The (adapter, prompt) pairs to re-warm, hottest first (read by the decode thread, which owns
+        the cache); a prompt of a user's adapter the new model does not carry (replaced meanwhile)
+        is left out."""
+        self.queue.extend((a, p) for a, p in prompts if len(p) >= self.staging.min_tokens and loaded(self.policy, a))
         self.started = True
 
     def expired(self) -> bool:
@@ -130,7 +134,8 @@ class RewarmJob:
                 chunk = fused_step.Chunk(list(self._tokens[self._done:self._end]), self._done, self._cache)
                 self._run, self._layers_s = fused_step.prefill_layers(self.policy.model, chunk), []
             t1 = time.perf_counter()
-            left = next(self._run)
+            with route(self.policy, [self._adapter], [self._end - self._done]):  # per layer: the decode
+                left = next(self._run)  # loop routes its own forwards in between
             self.layer_s = time.perf_counter() - t1
             self._layers_s.append(self.layer_s)
             if left == 0:
@@ -152,8 +157,9 @@ class RewarmJob:
         end = min(self._done + max(MIN_CHUNK, min(MAX_CHUNK, n)), len(self._tokens))
         t0 = time.perf_counter()
         # logits_to_keep=1: nothing samples from these logits; skip the lm_head over the chunk
-        self.policy.model(torch.tensor([self._tokens[self._done:end]]), cache=self._cache, use_cache=True,
-                          logits_to_keep=1, position_ids=torch.arange(self._done, end)[None])
+        with route(self.policy, [self._adapter], [end - self._done]):
+            self.policy.model(torch.tensor([self._tokens[self._done:end]]), cache=self._cache, use_cache=True,
+                              logits_to_keep=1, position_ids=torch.arange(self._done, end)[None])
         if end - self._done >= MIN_CHUNK or self.per_token is None:  # a short tail times overheads
             self.per_token = (time.perf_counter() - t0) / (end - self._done)
         self._chunk_done(end)
@@ -170,13 +176,14 @@ class RewarmJob:
         if not self.future.done():
             self.future.set_exception(exc)
 
-    def _start(self, tokens: tuple[int, ...]) -> None:
+    def _start(self, item: tuple[Any, tuple[int, ...]]) -> None:
         from clawflow.serving.kv_cache import new_cache  # appends in place: a chunk does not re-copy the KV
 
-        reused, layers = self.staging.lookup(self.policy.version, list(tokens))
-        if reused == len(tokens) - 1 and any(t[: len(tokens)] == tokens for t, _ in self.staging.entries(
-                self.policy.version)):
-            self._order.append(tokens)  # a prefix of a prompt already re-warmed: nothing to do
+        adapter, tokens = item
+        key = prefix_key(self.policy, adapter)
+        reused, layers = self.staging.lookup(key, list(tokens))
+        if reused == len(tokens) - 1 and any(t[: len(tokens)] == tokens for t, _ in self.staging.entries(key)):
+            self._order.append(item)  # a prefix of a prompt already re-warmed: nothing to do
             return
         left = self.budget - self.prefilled
         if len(tokens) - reused > left:  # over the budget: re-warm the prefix it allows (the system
@@ -187,25 +194,27 @@ class RewarmJob:
         self._cache = new_cache()
         for i, (k, v) in enumerate(layers or []):
             self._cache.update(k, v, i)  # copied into the job's buffer: the staged KV stays intact
-        self._tokens, self._done = tokens, reused
+        self._tokens, self._done, self._adapter = tokens, reused, adapter
 
     def _stage(self, tokens: tuple[int, ...]) -> None:
         # views of the job's buffers; nothing writes to them again (the job drops its cache here)
-        self.staging.store(self.policy.version, list(tokens), [(ly.keys, ly.values) for ly in self._cache.layers])
-        self._order.append(tokens)
+        self.staging.store(prefix_key(self.policy, self._adapter), list(tokens),
+                           [(ly.keys, ly.values) for ly in self._cache.layers])
+        self._order.append((self._adapter, tokens))
         self._tokens, self._cache = None, None
 
     def _finish(self, complete: bool) -> bool:
         self._run = None  # a chunk part-way through its layers: only `_done` positions are whole in all
         if self._tokens is not None and self._done >= self.staging.min_tokens:  # keep the part reached
             self._stage(self._tokens[: self._done])
-        staged = dict(self.staging.entries(self.policy.version))
-        entries, seen = [], set()
-        for tokens in self._order:  # hottest first; a prompt covered by a longer staged one maps to it
-            key = next((t for t in staged if t[: len(tokens)] == tokens), None)
-            if key is not None and key not in seen:
-                seen.add(key)
-                entries.append((key, staged[key]))
+        entries, seen, staged = [], set(), {}
+        for adapter, tokens in self._order:  # hottest first; a prompt covered by a longer staged one maps to it
+            if adapter not in staged:
+                staged[adapter] = dict(self.staging.entries(prefix_key(self.policy, adapter)))
+            key = next((t for t in staged[adapter] if t[: len(tokens)] == tokens), None)
+            if key is not None and (adapter, key) not in seen:
+                seen.add((adapter, key))
+                entries.append((adapter, key, staged[adapter][key]))
         if not self.future.done():
             self.future.set_result(RewarmResult(entries, self.prefilled, time.perf_counter() - self._t0, complete,
                                                 self.chunks, self.yielded))
