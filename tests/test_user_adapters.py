@@ -86,8 +86,13 @@ def test_interleaved_users_each_get_their_own_adapter(tiny_model_dir, adapters, 
         assert alone["a0"] != alone["base"] and alone["a1"] != alone["base"]  # the adapters do change replies
         assert _interleaved(engine, ["bob"])["bob"] == alone["a1"]  # every row on one adapter: no gather
 
-        # alice's next version: hers move, the others' do not; the old one is dropped once unused
-        engine.load_user_adapter("alice", str(adapters["a2"]))
+        # alice's next version: hers move, the others' do not; the old one is dropped once unused. Her
+        # cached prompts were re-warmed with it before it served her: her next turns reuse that KV.
+        info = engine.load_user_adapter("alice", str(adapters["a2"]))
+        assert info["rewarm"]["ok"] and info["rewarm"]["prompts"] == len(PROMPTS), info
+        hits = engine.stats().prefix_cache_hits
+        assert [Reply(engine.generate(p, GREEDY, user="alice")) for p in PROMPTS] == alone["a2"]
+        assert engine.stats().prefix_cache_hits - hits == len(PROMPTS)
         got = _interleaved(engine, ["alice", "bob", "carol"])
         assert got["alice"] == alone["a2"] and got["bob"] == alone["a1"] and got["carol"] == before
         multi = engine._policy.model.clawflow_multi_lora

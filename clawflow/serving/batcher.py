@@ -160,16 +160,24 @@ class Batcher:
             job.fail(RuntimeError("engine closed"))
 
     # -- re-warm on reload -------------------------------------------------------------------
-    def rewarm(self, policy, budget_tokens: int, max_s: float, min_prompt_tokens: int = 0) -> Future:
+    def rewarm(self, policy, budget_tokens: int, max_s: float, min_prompt_tokens: int = 0,
+               switch: tuple[Any, Any] | None = None) -> Future:
         """Prefill the hottest cached prompts of at least `min_prompt_tokens` on `policy` (not serving
         yet), at most `budget_tokens` tokens and `max_s` seconds; a Future of a `RewarmResult` (or of
-        the error that stopped it)."""
+        the error that stopped it). `switch` = (old, new) adapter keys on the serving `policy`: a
+        user's new adapter version instead, the prompts cached under `old` prefilled with `new`, and
+        stored in the cache (on this thread) before the future is set."""
         if self.prefix is None or budget_tokens <= 0:
             fut: Future = Future()
             fut.set_result(RewarmResult([], 0, 0.0, True))
             return fut
         job = RewarmJob(policy, budget_tokens, time.monotonic() + max_s, self.prefix.max_tokens,
                         max(self.prefix.min_tokens, min_prompt_tokens), self.rewarm_slice_s)
+        if switch is not None:
+            old, new = switch
+            job.prompts = lambda: [(new, t) for a, t in self.prefix.hottest_adapters(policy.version) if a == old]
+            job.install = lambda entries: [self.prefix.store(prefix_key(policy, a), list(t), layers)
+                                           for a, t, layers in reversed(entries)]  # hottest last
         with self._cv:
             if self._rewarm is not None:  # an earlier one its reload gave up on
                 self._rewarm.cancelled = True
@@ -194,7 +202,8 @@ class Batcher:
         try:
             if not job.started:  # which prompts are hot is read here: the cache is this thread's
                 owner = self._prefix_owner
-                job.begin(self.prefix.hottest_adapters(owner[1]) if owner is not None else [])
+                job.begin(job.prompts() if job.prompts is not None else
+                          self.prefix.hottest_adapters(owner[1]) if owner is not None else [])
             budget = self.rewarm_slice_s
             if not job.expired():
                 with self._cv:

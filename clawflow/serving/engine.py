@@ -214,10 +214,12 @@ class TorchEngine:  # an `engine_protocol.Engine`
             model.clawflow_multi_lora = multi  # read by the batcher's forwards
         return multi
 
-    def load_user_adapter(self, user: str, path: str, version: int | None = None) -> dict:
+    def load_user_adapter(self, user: str, path: str, version: int | None = None, rewarm: bool = True) -> dict:
         """Serve `user`'s requests from now on with the LoRA adapter at `path`, on the served weights.
         An AdapterError (unreadable, DoRA, shapes the base lacks) changes nothing: the user's old
-        adapter, and everyone else's, keep serving."""
+        adapter, and everyone else's, keep serving. A new version of the user's adapter first
+        re-warms the prompts cached under the old one (`rewarm`; their requests keep decoding on the
+        old one meanwhile), as a reload of the shared weights does."""
         from clawflow.serving.multi_lora import read_adapter
 
         t0 = time.perf_counter()
@@ -240,8 +242,28 @@ class TorchEngine:  # an `engine_protocol.Engine`
                 self._retiring.append((model, gone[0]))
                 log.info("dropped %s's adapter (serving.max_loaded_adapters %d); their next request loads it",
                          lru, self.max_loaded_adapters)
+            warm = self._rewarm_user(old[0], key) if rewarm and old is not None else None
             self._serving = (self._policy, self._table())
-        return {"user": user, "path": str(path), "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3)}
+        return {"user": user, "path": str(path), "bytes": nbytes, "seconds": round(time.perf_counter() - t0, 3),
+                "rewarm": warm}
+
+    def _rewarm_user(self, old: tuple, new: tuple) -> dict | None:
+        """Prefill the prompts cached under a user's `old` adapter key with the `new` one, straight into
+        the prefix cache; never raises (a failure swaps cold)."""
+        if self.rewarm_tokens <= 0 or self.batcher.prefix is None:
+            return None
+        t0 = time.perf_counter()
+        fut = self.batcher.rewarm(self._policy, self.rewarm_tokens, self.rewarm_max_s, self.rewarm_min_tokens,
+                                  switch=(old, new))
+        try:
+            res = fut.result(timeout=self.rewarm_max_s + 60)
+        except Exception as exc:  # noqa: BLE001 - out of memory, a time-out: the user's next turn prefills cold
+            self.batcher.cancel_rewarm()
+            log.warning("re-warm of %s's new adapter failed, swapping cold: %s: %s", new[0],
+                        exc.__class__.__name__, exc)
+            return {"ok": False, "error": f"{exc.__class__.__name__}: {exc}"}
+        return {"ok": True, "prompts": len(res.entries), "tokens": sum(len(t) for _, t, _ in res.entries),
+                "complete": res.complete, "seconds": round(time.perf_counter() - t0, 3)}
 
     def unload_user_adapter(self, user: str) -> None:
         """`user`'s requests go back to the shared policy; in-flight ones finish on the adapter."""
@@ -334,7 +356,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             self._last_used[user] = time.monotonic()
         elif user is not None and (evicted := self._evicted.get(user)) is not None:
             try:
-                self.load_user_adapter(user, *evicted)
+                self.load_user_adapter(user, *evicted, rewarm=False)  # nothing of theirs is cached
             except AdapterError as exc:  # gone or broken since: the shared policy answers, and says why
                 log.warning("cannot load %s's adapter again (%s); serving the shared policy", user, exc)
                 self._evicted.pop(user, None)

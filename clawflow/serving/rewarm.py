@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +97,8 @@ class RewarmJob:
         self.per_token: float | None = None  # seconds per token of the last chunk (not layered)
         self.chunks = 0
         self.yielded = 0  # counted by the batcher
+        self.prompts: Callable[[], list] | None = None  # the (adapter, prompt) pairs; None: the old version's hottest
+        self.install: Callable[[list], None] | None = None  # stores the result itself, before the future is set
 
     def begin(self, prompts: list[tuple[Any, tuple[int, ...]]]) -> None:
         """The (adapter, prompt) pairs to re-warm, hottest first (read by the decode thread, which owns
@@ -215,6 +217,8 @@ class RewarmJob:
             if key is not None and (adapter, key) not in seen:
                 seen.add((adapter, key))
                 entries.append((adapter, key, staged[adapter][key]))
+        if self.install is not None and not self.cancelled:  # on the decode thread: the cache is its own
+            self.install(entries)
         if not self.future.done():
             self.future.set_result(RewarmResult(entries, self.prefilled, time.perf_counter() - self._t0, complete,
                                                 self.chunks, self.yielded))
