@@ -214,12 +214,15 @@ class TorchEngine:  # an `engine_protocol.Engine`
             model.clawflow_multi_lora = multi  # read by the batcher's forwards
         return multi
 
-    def load_user_adapter(self, user: str, path: str, version: int | None = None, rewarm: bool = True) -> dict:
+    def load_user_adapter(self, user: str, path: str, version: int | None = None) -> dict:
         """Serve `user`'s requests from now on with the LoRA adapter at `path`, on the served weights.
         An AdapterError (unreadable, DoRA, shapes the base lacks) changes nothing: the user's old
         adapter, and everyone else's, keep serving. A new version of the user's adapter first
-        re-warms the prompts cached under the old one (`rewarm`; their requests keep decoding on the
-        old one meanwhile), as a reload of the shared weights does."""
+        re-warms the prompts cached under the old one (their requests keep decoding on the old one
+        meanwhile), as a reload of the shared weights does."""
+        return self._load_user_adapter(user, path, version, rewarm=True)
+
+    def _load_user_adapter(self, user: str, path: str, version: int | None, rewarm: bool) -> dict:
         from clawflow.serving.multi_lora import read_adapter
 
         t0 = time.perf_counter()
@@ -356,7 +359,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             self._last_used[user] = time.monotonic()
         elif user is not None and (evicted := self._evicted.get(user)) is not None:
             try:
-                self.load_user_adapter(user, *evicted, rewarm=False)  # nothing of theirs is cached
+                self._load_user_adapter(user, *evicted, rewarm=False)  # not on a request's thread
             except AdapterError as exc:  # gone or broken since: the shared policy answers, and says why
                 log.warning("cannot load %s's adapter again (%s); serving the shared policy", user, exc)
                 self._evicted.pop(user, None)
