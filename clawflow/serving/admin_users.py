@@ -57,7 +57,7 @@ def user_adapter_routes(engine: Any, require_admin: Callable[..., None]) -> APIR
                                            "adapter_refused"), status_code=400)
         log.info("%s's requests now decode with adapter v%s from %s (%.3f s)", user, body.version, body.path,
                  info.get("seconds", 0.0))
-        return {**state(user), "seconds": info.get("seconds")}
+        return {**state(user), "seconds": info.get("seconds"), "rewarm": info.get("rewarm")}
 
     @router.get("/admin/users/{user}/adapter")
     async def show(user: str):
