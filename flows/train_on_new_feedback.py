@@ -17,9 +17,9 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from clawflow.config import load_config
 from clawflow.feedback import training_samples
+from clawflow.policy import registry
 from clawflow.policy.holdout import split_holdout
 from tasks.policy import gate_doses, held_out_probes, tag_gate
-from clawflow.policy import registry
 from tasks.training import (claim_id, collect_batch, commit_consumption, current_policy, judge_turns, maintain_store,
                             prepare_next_run, promote, record_preferences, register, release_unjudged, reload_gateway,
                             start_run, train_policy, update_preferences, user_of, waiting_users)
@@ -115,7 +115,7 @@ def _train_line(cfg, users: list[str] | None, max_turns: int | None, reload: boo
     trained_ids = [s.turn_id for s in samples]
     progress(65, f"eval gate: the candidate at doses {', '.join(f'{d:g}' for d in cfg.gate.doses)} vs v{parent}")
     with clock("gate"):
-        gate = gate_doses(cfg, run_id, str(checkpoint), champion, held_out_probes(cfg, trained_ids), taught)
+        gate = gate_doses(cfg, run_id, str(checkpoint), champion, held_out_probes(cfg, trained_ids, users), taught)
     progress(85, "registering the checkpoint")
     rewards = [s.reward for s in samples] or [0.0]
     with clock("register"):

@@ -22,11 +22,11 @@ def helpfulness_cache(cfg: Config):
 
 
 @task(name="held-out-probes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def held_out_probes(cfg: Config, batch_turn_ids: list[str]) -> list[ProbeTurn]:
-    """The newest judged turns the candidate did not train on (clawflow/policy/holdout.py)."""
+def held_out_probes(cfg: Config, batch_turn_ids: list[str], users: list[str] | None = None) -> list[ProbeTurn]:
+    """The newest judged turns the candidate did not train on (clawflow/policy/holdout.py); `users`:
+    only theirs (a version line is gated on the turns of the users it trains on)."""
     g = cfg.gate
-    turns = held_out_turns(Catalog.for_config(cfg), g.judged_probes, batch_turn_ids, g.holdout_fraction,
-                           cfg.registry.user)  # a user's own line: their turns alone
+    turns = held_out_turns(Catalog.for_config(cfg), g.judged_probes, batch_turn_ids, g.holdout_fraction, users)
     get_run_logger().info("%d held-out judged turns (%d good, %d bad) for the gate", len(turns),
                           sum(t.score > 0 for t in turns), sum(t.score < 0 for t in turns))
     return turns

@@ -82,6 +82,18 @@ def test_margins_and_verdict_by_hand():
     assert "judged good" in judged_verdict(m, 0.25, min_turns=2)
 
 
+def test_a_users_line_is_gated_on_that_users_held_out_turns_alone(tmp_path):
+    sessions = feedback_turns(8)
+    for first, second, _ in sessions[::2]:  # sessions 0, 2, 4, 6 are bob's
+        first.user = second.user = "bob"
+    seal_turns(tmp_path, sessions)
+    judge_all(tmp_path, sessions)
+    catalog = Catalog(tmp_path / "catalog.duckdb", tmp_path / "shards")
+    bobs = held_out_turns(catalog, per_sign=10, exclude=[], fraction=0.0, users=["bob"])
+    assert sorted(t.turn_id for t in bobs) == ["turn-0", "turn-2", "turn-4", "turn-6"]
+    assert len(held_out_turns(catalog, per_sign=10, exclude=[], fraction=0.0)) == 8  # no filter: everyone's
+
+
 def test_held_out_turns_are_recent_judged_and_disjoint_from_the_batch(judged_store):
     catalog, sessions = judged_store
     batch = catalog.select_batch("run-1", max_turns=6)  # the 6 oldest pairs

@@ -58,9 +58,9 @@ def split_holdout(judgments: Sequence[K], fraction: float) -> tuple[list[K], lis
 
 
 def held_out_turns(catalog: Catalog, per_sign: int, exclude: list[str], fraction: float,
-                   user: str | None = None) -> list[ProbeTurn]:
+                   users: list[str] | None = None) -> list[ProbeTurn]:
     """The newest judged (+1 / −1) main turns not in `exclude` (the candidate's batch), at most
-    `per_sign` of each score, newest first; from the holdout slice when `fraction` > 0; `user`: only
+    `per_sign` of each score, newest first; from the holdout slice when `fraction` > 0; `users`: only
     theirs (a user's own adapter is gated on that user's turns alone)."""
     if per_sign <= 0:
         return []
@@ -69,11 +69,11 @@ def held_out_turns(catalog: Catalog, per_sign: int, exclude: list[str], fraction
     sql = f"""
         SELECT t.turn_id, t.path, j.score FROM turn_keys AS t JOIN {judged} AS j USING (turn_id)
         WHERE t.turn_type = 'main' AND j.score <> 0 AND NOT list_contains($exclude, t.turn_id) {slice_}
-              {'AND t."user" = $user' if user is not None else ''}
+              {'AND list_contains($users, t."user")' if users is not None else ''}
         QUALIFY row_number() OVER (PARTITION BY sign(j.score) ORDER BY t.created_at DESC, t.turn_id) <= $n
         ORDER BY t.created_at DESC, t.turn_id"""
     args = {**params, "exclude": list(exclude), "n": per_sign, **({"cut": _cut(fraction)} if fraction > 0 else {}),
-            **({"user": user} if user is not None else {})}
+            **({"users": list(users)} if users is not None else {})}
     with catalog.connect() as con:
         keys = con.execute(sql, args).fetchall()
         rows = queries.full_rows(catalog, con, [k[0] for k in keys], {k[1] for k in keys})
