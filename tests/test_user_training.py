@@ -18,7 +18,7 @@ import pytest
 import yaml
 from test_gate_judged import seal_turns
 from test_store import shard_rows
-from test_shipped_recipe import champion_adapter, sessions, shipped_recipe_config
+from test_shipped_recipe import FUNCTION_WORD_PROMPTS, champion_adapter, sessions, shipped_recipe_config
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -30,7 +30,7 @@ from clawflow.store.catalog import Catalog
 from conftest import admin, free_port, running_gateway
 
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
-PROMPTS = ["What is it?", "Can you do that?", "Why is it so?", "Who is it?"]
+PROMPTS = FUNCTION_WORD_PROMPTS[:16]  # the isolation target: 16 prompts, token for token
 
 
 def config(tmp_path, tiny_model_dir):
@@ -46,7 +46,7 @@ def replies(cfg, key: str) -> list[tuple[str, list[float]]]:
     out = []
     for p in PROMPTS:
         r = httpx.post(f"{cfg.gateway_url}/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
-                       json={"messages": [{"role": "user", "content": p}], "max_tokens": 6, "temperature": 0,
+                       json={"messages": [{"role": "user", "content": p}], "max_tokens": 4, "temperature": 0,
                              "logprobs": True})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
