@@ -64,10 +64,15 @@ def train_on_new_feedback(config_path: str | None = None, max_turns: int | None 
             raise ValueError("per-user training needs train.lora: users' own adapters are LoRA adapters")
         return _train_line(cfg, None, max_turns, reload)
     waiting = waiting_users(cfg)
-    users = [user] if user is not None else sorted(waiting, key=lambda u: (u != cfg.serving.user, u))
+    enough = {u for u, n in waiting.items() if n >= cfg.train.min_turns}
+    if waiting:
+        log.info("turns waiting per user: %s (train.min_turns %d)", ", ".join(f"{u} {n}" for u, n in
+                                                                             sorted(waiting.items())),
+                 cfg.train.min_turns)
+    users = [user] if user is not None else sorted(enough, key=lambda u: (u != cfg.serving.user, u))
     if not users:
-        return _train_line(cfg, [cfg.serving.user], max_turns, reload)  # reports "no new turns"
-    log.info("turns waiting per user: %s", ", ".join(f"{u} {waiting.get(u, 0)}" for u in users))
+        return _report({"trained": False, "reason": "no user has train.min_turns new turns with a next state"
+                        if waiting else "no new turns with a next state", "waiting": waiting}, Progress())
     results = {u: _train_line(registry.for_user(cfg, u), [u], max_turns, reload) for u in users}
     if len(results) == 1:
         return next(iter(results.values()))

@@ -54,12 +54,12 @@ def replies(cfg, key: str) -> list[tuple[str, list[float]]]:
     return out
 
 
-def alice_turns(tok, version: int):
-    """The shipped-recipe test's six sessions (two length corrections), sent by alice."""
-    out = sessions(tok, version)
+def turns_of(user: str, tok, version: int, n: int = 6):
+    """The shipped-recipe test's first `n` sessions (s1 and s4: length corrections), sent by `user`."""
+    out = sessions(tok, version)[:n]
     for first, second, _ in out:
-        first.user = second.user = "alice"
-        first.turn_id, second.turn_id = f"alice-{first.turn_id}", f"alice-{second.turn_id}"
+        first.user = second.user = user
+        first.turn_id, second.turn_id = f"{user}-{first.turn_id}", f"{user}-{second.turn_id}"
     return out
 
 
@@ -73,8 +73,10 @@ def test_alices_corrections_train_her_own_adapter_and_only_she_is_served_it(tmp_
     run = registry.start_run(cfg, "train-from-v1", {}, {})
     assert registry.register_checkpoint(cfg, run, shared, {"parent_version": "1"}) == 2
     registry.promote(cfg, 2)
-    seal_turns(cfg.home, alice_turns(AutoTokenizer.from_pretrained(tiny_model_dir), 2))
-    assert Catalog.for_config(cfg).pending_users() == {"alice": 6}
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    seal_turns(cfg.home, turns_of("alice", tok, 2) + turns_of("bob", tok, 2, n=2))
+    assert Catalog.for_config(cfg).pending_users() == {"alice": 6, "bob": 2}
+    assert cfg.train.min_turns == 4  # shipped: bob's 2 wait for more
 
     with running_gateway(cfg):
         before = {u: replies(cfg, k) for u, k in KEYS.items()}
@@ -88,6 +90,7 @@ def test_alices_corrections_train_her_own_adapter_and_only_she_is_served_it(tmp_
         assert after["bob"] == before["bob"]  # the isolation target: bob's replies, token for token
         assert after["alice"] != before["alice"]  # hers moved: her own adapter
         assert registry.champion(cfg)[0] == 2  # the shared line is untouched
+        assert Catalog.for_config(cfg).pending_users() == {"bob": 2}  # bob's wait: not his line, not alice's
 
     alice = registry.for_user(cfg, "alice")
     assert registry.model_name(alice) == "clawflow-tiny.alice" and registry.champion(alice)[0] == 1

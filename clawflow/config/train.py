@@ -29,6 +29,9 @@ class TrainConfig(_Strict):
     micro_batch: int = Field(4, ge=1)  # sequences per forward pass
     step_tokens: int = Field(8192, ge=1)  # response tokens per optimizer step (gradient accumulation)
     max_turns: int = 256  # largest batch one training run takes, oldest first
+    # per-user training (a LoRA recipe): a user's version line trains only once at least this many of
+    # their turns with a next state wait; with fewer they wait for a later run
+    min_turns: int = Field(4, ge=1)
     # objective: binary RL, OPD from hindsight hints, or both (a turn without a hint has no OPD term);
     # distill: RL on the recorded replies, and each corrected turn's reply rewritten by the policy
     # with the hint in its prompt, learned from the plain prompt (context distillation: train/rewrite.py)
