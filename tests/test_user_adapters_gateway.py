@@ -110,3 +110,28 @@ def test_a_users_key_reads_and_exports_only_their_own_data(make_config, adapters
         as_admin = get("/export", cfg.serving.admin_key, user="bob")  # the admin key reads anyone's
         assert as_admin.status_code == 200 and "bob says hi" in as_admin.text and "alice" not in as_admin.text
         assert get("/me", cfg.serving.admin_key, user="alice").json()["adapter_version"] == 4
+
+
+def test_rollback_of_a_users_line_reloads_only_their_adapter(make_config, adapters):
+    from typer.testing import CliRunner
+
+    from clawflow.cli import app as cli
+    from clawflow.policy import registry
+
+    keys = {"alice": "alice-key", "bob": "bob-key"}
+    cfg = make_config(serving={"users": {u: hashlib.sha256(k.encode()).hexdigest() for u, k in keys.items()}})
+    alice = registry.for_user(cfg, "alice")
+    for i, name in enumerate(("a0", "a1"), start=1):  # her v1 and v2, v2 promoted
+        run = registry.start_run(alice, f"alice-v{i}", {}, {})
+        assert registry.register_checkpoint(alice, run, adapters[name], {}) == i
+        registry.promote(alice, i)
+    runner = CliRunner(env={"COLUMNS": "200"})
+    url = f"{cfg.gateway_url}/admin/users/alice/adapter"
+    with running_gateway(cfg):  # it starts on her champion, v2
+        assert httpx.get(url, headers=admin(cfg)).json()["version"] == 2
+        on_v2, bob = chat(cfg, keys["alice"]), chat(cfg, keys["bob"])
+        back = runner.invoke(cli, ["rollback", "--user", "alice", "--config", str(cfg.source_file)])
+        assert back.exit_code == 0 and "reloaded" in back.output, back.output
+        assert httpx.get(url, headers=admin(cfg)).json()["version"] == 1 and registry.champion(alice)[0] == 1
+        assert not same(chat(cfg, keys["alice"]), on_v2) and same(chat(cfg, keys["bob"]), bob)
+    assert registry.champion(cfg) is None  # the shared line was never touched
