@@ -62,13 +62,13 @@ def upload(client, run_id: str, checkpoint: Path) -> tuple[str, str]:
     return client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + SUBDIR, digest(man)
 
 
-def fetch(cfg: Config, version: int, source: str, expected: str | None, trainer_state: bool = False) -> Path:
-    """The verified local copy of `version` (downloaded once, then served from the cache)."""
+def fetch(cfg: Config, version: int, source: str, expected: str | None, trainer_state: bool = False,
+          model: str | None = None) -> Path:
+    """The verified local copy of `version` (downloaded once, then served from the cache) of the
+    registered `model` (default `model.name`; a user's version line has its own: numbers overlap)."""
     if not expected:
         raise ChecksumError(f"v{version} has no {TAG} tag: it was not registered through the artifact store")
-    from clawflow.policy.registry import model_name  # here: the registry imports this module
-
-    cache = Home(cfg.home).registry_cache / model_name(cfg)  # per version line: their numbers overlap
+    cache = Home(cfg.home).registry_cache / (model or cfg.model.name)
     final = cache / f"v{version}"
     tmp = cache / f".v{version}.{uuid.uuid4().hex[:8]}.tmp"
     try:

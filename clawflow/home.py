@@ -128,6 +128,10 @@ class Home:
     def rewrites(self) -> Path:
         return self.root / self.REWRITES
 
+    def user_rewrites(self, user: str) -> Path:
+        """A user's own version line's rewrite cache (issue #29)."""
+        return self.rewrites / self.USERS / user
+
     @property
     def registry_cache(self) -> Path:
         return self.root / self.REGISTRY_CACHE

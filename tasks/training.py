@@ -96,7 +96,7 @@ def rewrites_dir(cfg: Config) -> Path:
     """Where the rewrites of this line's runs are cached (a user's own line: their own directory,
     so preparing one user's next run never prunes another's)."""
     home = Home(cfg.home)
-    return home.rewrites if cfg.registry.user is None else home.rewrites / "users" / cfg.registry.user
+    return home.rewrites if cfg.registry.user is None else home.user_rewrites(cfg.registry.user)
 
 
 @task(name="update-preferences", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

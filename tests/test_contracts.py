@@ -43,7 +43,7 @@ FORMATS = {
                        "tools:string prompt_token_ids:list<item: int32> response_token_ids:list<item: int32> "
                        "response_logprobs:list<item: float> response_text:string tool_calls:string "
                        "finish_reason:string new_messages:string session_done:bool env_reward:double "
-                       "prompt_tokens:int32 response_tokens:int32 user:string",
+                       "prompt_tokens:int32 response_tokens:int32 user:string adapter_version:int64",
 }
 
 
@@ -119,7 +119,7 @@ def test_turn_user_round_trips_and_older_rows_are_the_default_user():
     rec = TurnRecord(session_id="s", turn_index=0, policy_version=2, messages=[{"role": "user", "content": "hi"}],
                      prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-0.5], response_text="yo",
                      finish_reason="stop", new_messages=[], user="alice")
-    assert turn.SCHEMA_VERSION == 3 and turn.ADDED[3].keys() == {"user"}
+    assert turn.SCHEMA_VERSION == 4 and turn.ADDED[3].keys() == {"user"} and turn.ADDED[4].keys() == {"adapter_version"}
     assert TurnRecord.from_row(json.loads(rec.to_json())) == rec  # the WAL line
     assert turn.rows_to_table([rec.to_row()])["user"].to_pylist() == ["alice"]  # the shard row
     assert Pair.from_row({**rec.to_row(), "next_state": None}).user == "alice"
@@ -128,6 +128,10 @@ def test_turn_user_round_trips_and_older_rows_are_the_default_user():
     del older["user"]
     assert TurnRecord.from_row(older).user == turn.DEFAULT_USER == "default"
     assert turn.upgrade_row({"prompt_token_ids": [1]})["user"] == "default"
+    served = TurnRecord.from_row({**json.loads(rec.to_json()), "adapter_version": 7})  # v4: the user's adapter
+    assert TurnRecord.from_row(json.loads(served.to_json())).adapter_version == 7 and rec.adapter_version is None
+    assert turn.rows_to_table([served.to_row()])["adapter_version"].to_pylist() == [7]
+    assert TurnRecord.from_row(older).adapter_version is None  # before v4: the shared policy decoded it
     assert Pair(turn_id="t", session_id="s", turn_index=0, messages="[]", prompt_token_ids=[], response_token_ids=[],
                 response_logprobs=[], response_text="", next_state=None).user == "default"
     assert ServingConfig().user == turn.DEFAULT_USER  # the config's default names the same user

@@ -181,7 +181,8 @@ def checkpoint_dir(cfg: Config, version: int, source: str, trainer_state: bool =
     if not artifacts.is_artifact_uri(source):
         return source
     mv = _client(cfg).get_model_version(model_name(cfg), str(version))
-    return str(artifacts.fetch(cfg, version, source, (mv.tags or {}).get(artifacts.TAG), trainer_state))
+    return str(artifacts.fetch(cfg, version, source, (mv.tags or {}).get(artifacts.TAG), trainer_state,
+                               model_name(cfg)))
 
 
 def resolve_local(cfg: Config, ref: int | str, trainer_state: bool = False) -> tuple[int, str]:
@@ -300,7 +301,7 @@ def delete_line(cfg: Config) -> list[str]:
         versions = client.search_model_versions(f"name='{model_name(cfg)}'")
     except MlflowException:
         return []
-    checkpoints = Path(cfg.home).resolve() / "checkpoints"
+    checkpoints = Home(cfg.home).checkpoints.resolve()
     gone = []
     for mv in versions:
         src = Path(mv.source.removeprefix("file://"))
