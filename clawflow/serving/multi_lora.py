@@ -123,22 +123,41 @@ class MultiLoraLinear(torch.nn.Module):
         if not groups:  # not routed: every row on the default adapter, if there is one
             d = self.deltas.get(self._router.default) if self._router.default is not None else None
             if d is not None:
-                y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ d.a_t, d.b_t)
+                with _one_thread():
+                    y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ d.a_t, d.b_t)
             return y
         if not self.deltas:
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         if flat_x.shape[0] != self._router.rows:
             raise RuntimeError(f"routed {self._router.rows} rows, the forward has {flat_x.shape[0]}")
-        for key, rows in groups:
-            d = self.deltas.get(key)
-            if d is None:  # this adapter leaves this module as the base has it
-                continue
-            if rows is None:
-                flat_y.addmm_(flat_x @ d.a_t, d.b_t)
-            else:
-                flat_y.index_add_(0, rows, (flat_x.index_select(0, rows) @ d.a_t) @ d.b_t)
+        with _one_thread():
+            for key, rows in groups:
+                d = self.deltas.get(key)
+                if d is None:  # this adapter leaves this module as the base has it
+                    continue
+                if rows is None:
+                    flat_y.addmm_(flat_x @ d.a_t, d.b_t)
+                else:
+                    flat_y.index_add_(0, rows, (flat_x.index_select(0, rows) @ d.a_t) @ d.b_t)
         return y
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The deltas' ops on one intra-op thread. They are tiny (8 rows x 576 x 16): in the engine a
+    matmul of that size took ~200 us on 2 threads and 8 us on 1, and 8 users' rows on 8 adapters
+    decoded 10.6 tok/s against 37.6 with this (SmolLM2, 2 cores, docs/performance.md). The base
+    Linear around them keeps every thread."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _decoder_linears(model) -> Iterator[tuple[torch.nn.Module, str, str]]:
