@@ -181,17 +181,14 @@ def forget(session: Optional[str] = typer.Argument(None, help="the session id to
 
 def _forget_adapters(cfg, user: str) -> str:
     """A forgotten user's own adapter versions: out of the gateway, the registry and the disk."""
-    import httpx
-
-    from clawflow.policy import registry
+    from clawflow.policy import registry, reload
 
     if user == cfg.serving.user:
         return "their versions are the shared policy's and stay (roll them back with `clawflow rollback`)"
     try:
-        httpx.delete(f"{cfg.gateway_url}/admin/users/{user}/adapter", timeout=60,
-                     headers={"Authorization": f"Bearer {cfg.serving.admin_key}"})
-    except httpx.HTTPError:
-        pass  # no gateway running: it loads no adapter for a line that no longer exists
+        reload.unload_user_adapter(cfg, user)  # no gateway running: it loads no adapter for a deleted line
+    except reload.GatewayRefused as exc:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(exc))}; restart the gateway", soft_wrap=True)
     deleted = registry.delete_line(registry.for_user(cfg, user))
     return f"{len(deleted)} adapter versions"
 

@@ -39,6 +39,18 @@ def reload_gateway(cfg: Config, version: int, checkpoint: str, timeout_s: float 
     return r.json()
 
 
+def unload_user_adapter(cfg: Config, user: str) -> bool:
+    """Tell the running gateway to serve `user` the shared policy again; False when none is running."""
+    try:
+        r = httpx.delete(f"{cfg.gateway_url}/admin/users/{user}/adapter",
+                         headers={"Authorization": f"Bearer {cfg.serving.admin_key}"}, timeout=60)
+    except httpx.ConnectError:
+        return False
+    if r.status_code != 200:
+        raise GatewayRefused(f"gateway refused to unload {user}'s adapter: {r.text}")
+    return True
+
+
 def rollback(cfg: Config, target: int | str | None = None) -> dict[str, Any]:
     """Move `champion` back (to `previous` by default), reload the gateway, emit the event."""
     old, new, path = registry.rollback(cfg, target)

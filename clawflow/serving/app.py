@@ -230,7 +230,7 @@ def create_app(gw: Gateway, resolve: CheckpointResolver | None = None) -> FastAP
         return answer
 
     app.include_router(user_adapter_routes(gw.engine, require_admin))
-    app.include_router(user_routes(gw, require_key))
+    app.include_router(user_routes(gw, require_key, lambda auth: _key_ok(auth, gw.cfg.serving.admin_key)))
 
     @app.post("/admin/seal", dependencies=[Depends(require_admin)])
     async def seal():

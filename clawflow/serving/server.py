@@ -18,12 +18,17 @@ from clawflow.home import Home
 log = logging.getLogger("clawflow.server")
 
 
+def _no_registry_yet(cfg: Config) -> bool:
+    """A local registry file that does not exist yet: skip MLflow's table creation (seconds)."""
+    uri = cfg.tracking_uri
+    return uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists()
+
+
 def initial_policy(cfg: Config) -> tuple[int, str]:
     from clawflow.policy import registry
 
-    uri = cfg.tracking_uri
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        return 0, base_model_dir(cfg)  # no registry yet: skip MLflow's table creation (seconds)
+    if _no_registry_yet(cfg):
+        return 0, base_model_dir(cfg)
     try:
         found = registry.champion(cfg)
         found = (found[0], registry.checkpoint_dir(cfg, *found)) if found else None  # fetched if remote
@@ -67,8 +72,7 @@ def load_users_adapters(cfg: Config, engine) -> dict[str, int]:
     the shared policy. Returns {user: version} of those loaded."""
     from clawflow.policy import registry
 
-    uri = cfg.tracking_uri
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+    if _no_registry_yet(cfg):
         return {}
     loaded = {}
     for user in registry.user_lines(cfg):
