@@ -181,14 +181,20 @@ def test_episodes_through_gateway_become_pairs_with_next_states(make_config):
     with running_gateway(cfg):
         assert gateway_healthy(cfg)
         results = collect_round(cfg, envs, 4, random.Random(0))  # 2 persona + 2 terminal episodes
+        again = collect_round(cfg, envs, 4, random.Random(0))  # same seed: the same sampled replies
         httpx.post(f"{cfg.gateway_url}/admin/seal", headers=admin(cfg), timeout=60).raise_for_status()
-    assert [r.error for r in results] == [None] * 4
+    assert [r.error for r in results + again] == [None] * 8
+    replies = [[x["response_text"] for x in r.rewards] for r in results]
+    assert replies == [[x["response_text"] for x in r.rewards] for r in again]
+    assert len({t for r in replies for t in r}) > 1  # sampled, not one greedy reply
+    ours = {r.session_id for r in results}
     persona = [r for r in results if r.env == "persona"]
     assert [(r.turns, r.next_states) for r in persona] == [(3, 2), (3, 2)]
     pairs = pending_pairs(Catalog(cfg.home / "catalog.duckdb", cfg.home / "shards"), 100)
     by_session = {}
     for p in pairs:
-        by_session.setdefault(p.session_id, []).append(p)
+        if p.session_id in ours:  # the repeat round's pairs aside
+            by_session.setdefault(p.session_id, []).append(p)
     assert set(by_session) == {r.session_id for r in persona}  # terminal episodes: no tool call, no pair
     for session, ps in by_session.items():
         assert {p.source for p in ps} == {"persona"}
@@ -211,7 +217,7 @@ def test_episodes_through_gateway_become_pairs_with_next_states(make_config):
                    and x["response_text"] == p.response_text}
             expected = own or {x["env_reward"] for x in mine if x["turn_index"] == 2}
             assert len(expected) == 1 and p.env_reward == expected.pop()
-    terminal = [x for x in rows if x["source"] == "terminal"]
+    terminal = [x for x in rows if x["source"] == "terminal" and x["session_id"] in ours]
     assert len(terminal) == 2 and all(x["env_reward"] == 0.0 for x in terminal)
     totals = Totals()
     totals.add(results)

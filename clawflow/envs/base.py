@@ -108,9 +108,10 @@ async def run_episode(client: Any, env: Environment, cfg: EnvConfig, model: str,
                 headers["X-Session-Done"] = "true"
             n = cfg.group_n if t == 0 else 1
             extra = {"tools": episode.tools} if episode.tools else {}
+            # the request's seed comes from the episode's: a seeded round samples the same replies again
             resp = await client.chat.completions.create(
                 model=model, messages=episode.messages, n=n, max_tokens=cfg.max_tokens,
-                temperature=cfg.temperature, extra_headers=headers, **extra)
+                temperature=cfg.temperature, seed=rng.randrange(2**31), extra_headers=headers, **extra)
             turn_index = sum(1 for m in episode.messages if m.get("role") == "assistant")
             replies = [_message(c) for c in sorted(resp.choices, key=lambda c: c.index)]
             if n > 1:
