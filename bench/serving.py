@@ -145,7 +145,8 @@ SERVED: dict[str, str] = {}  # server -> the dtype it served in
 
 
 def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str | None = None,
-                   linear_kernel: str | None = None, users: dict[str, str] | None = None) -> Server:
+                   linear_kernel: str | None = None, users: dict[str, str] | None = None,
+                   threads: int | str | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     raw["home"] = str(tmp / "clawflow-home")
@@ -157,6 +158,8 @@ def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str |
         raw["serving"]["dtype"] = dtype
     if linear_kernel:
         raw["serving"]["linear_kernel"] = linear_kernel
+    if threads is not None:
+        raw["serving"]["threads"] = threads
     if users:  # name -> SHA-256 of their key
         raw["serving"]["users"] = users
     cfg = tmp / "clawflow.yaml"

@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reload-every", type=float, default=0.0, help="seconds between user 0's reloads (0: no reloads mode)")
+    ap.add_argument("--threads", default=None, help="the gateway's serving.threads (default: the shipped config's)")
     args = ap.parse_args()
 
     model = model_dir()
@@ -55,7 +56,9 @@ def main() -> None:
     n = max(args.adapters)
     paths = make_adapters(model, n, args.rank, tmp / "adapters")
     keys = {f"user{i}": f"bench-key-{i}" for i in range(n)}
-    server = start_clawflow(model, tmp, users={u: hashlib.sha256(k.encode()).hexdigest() for u, k in keys.items()})
+    threads = int(args.threads) if args.threads and args.threads.isdigit() else args.threads
+    server = start_clawflow(model, tmp, users={u: hashlib.sha256(k.encode()).hexdigest() for u, k in keys.items()},
+                            threads=threads)
     admin = {"Authorization": "Bearer clawflow-admin"}
     root = server.base_url.removesuffix("/v1")
     try:
@@ -63,7 +66,8 @@ def main() -> None:
             r = httpx.post(f"{root}/admin/users/{user}/adapter", json={"path": str(path), "version": i + 1},
                            headers=admin, timeout=120)
             r.raise_for_status()
-        print(f"SmolLM2-135M, {os.cpu_count()} cores, {n} users' adapters loaded (r {args.rank}, all 7 projections); "
+        print(f"SmolLM2-135M, {os.cpu_count()} cores, serving.threads {threads}, {n} users' adapters loaded "
+              f"(r {args.rank}, all 7 projections); "
               f"{args.seconds:g} s windows, {args.rounds} rounds, max_tokens {args.max_tokens}")
         draw = Draw(len(PROMPTS))
         rows = []

@@ -137,3 +137,33 @@ def test_unloading_one_adapter_leaves_the_others_rows_unchanged(tiny_model_dir, 
         after = base(input_ids=ids).logits
     assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
     assert torch.allclose(after[1], _reference(tiny_model_dir, None, ids[1:2]), atol=1e-5)
+
+
+def test_decode_rows_of_many_adapters_match_each_row_alone(tiny_model_dir, adapters):
+    """Decode rows, one per user, over adapters of several ranks and target modules (stacked per
+    shape, serving/multi_lora.py `_singles`): each row as its adapter computes it alone."""
+    base = _base(tiny_model_dir)
+    multi = MultiLora(base)
+    for key, path in adapters.items():
+        multi.load(key, read_adapter(path))
+    doubled = {k: type(d)(d.a_t * 2, d.b_t * -0.25) for k, d in read_adapter(adapters["a0"]).items()}
+    multi.load("a0x2", doubled)  # a0's shape, half its delta negated: in the slot beside a0's
+    multi.load("a0x3", {k: type(d)(d.a_t, d.b_t * 3) for k, d in doubled.items()})  # a third: the slots grow
+    ids = torch.randint(5, 2000, (8, 1), generator=torch.Generator().manual_seed(2))
+
+    def check(per_row):
+        with torch.inference_mode(), multi.route(per_row):
+            logits = base(input_ids=ids).logits[:, -1]
+        for row, key in enumerate(per_row):
+            with torch.inference_mode(), multi.route([key]):
+                alone = base(input_ids=ids[row:row + 1]).logits[0, -1]
+            assert torch.allclose(logits[row], alone, atol=1e-5), (row, key, (logits[row] - alone).abs().max())
+        want = _reference(tiny_model_dir, adapters["a0"], ids[5:6])[-1]
+        assert torch.allclose(logits[5], want, atol=1e-4)  # a0's rows are a0's, as peft computes them
+        return logits
+
+    logits = check(["a0", "a1", None, "a0x2", "a2", "a0", "a1", "a0x3"])
+    assert not torch.allclose(logits[0], logits[3], atol=1e-3)  # a0 and a0x2 differ
+    multi.unload("a0x2")  # its slot is freed and taken by the next load, the others untouched
+    multi.load("a0x4", {k: type(d)(d.a_t, -d.b_t) for k, d in doubled.items()})
+    check(["a0", "a0x4", "a0x3", "a0x3", "a2", "a0", None, "a0x4"])

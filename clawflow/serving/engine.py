@@ -76,7 +76,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.rewarm_min_tokens = rewarm_min_tokens  # shorter prompts are prefilled on demand
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
         # users' own adapters: user -> (key, deltas, path); the key changes with every version loaded
-        self._user_adapters: dict[str, tuple[tuple, dict, str]] = {}
+        self._user_adapters: dict[str, tuple[tuple, str]] = {}  # user -> (key, path)
         self._adapter_loads = 0
         self._retiring: list[tuple[Any, tuple]] = []  # (model, key) replaced, dropped once no request uses it
         # at most this many users' adapters held; the least recently used is dropped, its path kept
@@ -158,7 +158,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
         return policy, keys.get(user) if user is not None else None
 
     def _table(self) -> dict[str, tuple]:
-        return {user: key for user, (key, _, _) in self._user_adapters.items()}
+        return {user: key for user, (key, _) in self._user_adapters.items()}
 
     @property
     def policy_version(self) -> int:
@@ -187,8 +187,9 @@ class TorchEngine:  # an `engine_protocol.Engine`
             policy = _Policy(model, version, str(path))
             if self._user_adapters:  # every user's adapter rides on to the new shared weights
                 try:
-                    for key, deltas, user_path in self._user_adapters.values():
-                        self._multi(model, str(path), user_path).load(key, deltas)
+                    served = self._policy.model.clawflow_multi_lora
+                    for key, user_path in self._user_adapters.values():
+                        self._multi(model, str(path), user_path).load(key, served.deltas(key))
                 except (AdapterError, ValueError) as exc:
                     raise ReloadError(f"checkpoint {path} cannot carry the users' adapters: {exc}") from exc
             self.last_rewarm = self._rewarm(policy)
@@ -233,7 +234,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             model = self._policy.model
             nbytes = self._multi(model, self._policy.path, path).load(key, deltas)
             old = self._user_adapters.get(user)
-            self._user_adapters[user] = (key, deltas, str(path))
+            self._user_adapters[user] = (key, str(path))
             self._evicted.pop(user, None)
             self._last_used[user] = time.monotonic()
             if old is not None:
@@ -241,7 +242,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
             while len(self._user_adapters) > self.max_loaded_adapters:  # the least recently used goes
                 lru = min((u for u in self._user_adapters if u != user), key=lambda u: self._last_used.get(u, 0.0))
                 gone = self._user_adapters.pop(lru)
-                self._evicted[lru] = (gone[2], gone[0][2])
+                self._evicted[lru] = (gone[1], gone[0][2])
                 self._retiring.append((model, gone[0]))
                 log.info("dropped %s's adapter (serving.max_loaded_adapters %d); their next request loads it",
                          lru, self.max_loaded_adapters)
@@ -295,7 +296,7 @@ class TorchEngine:  # an `engine_protocol.Engine`
     def user_adapter(self, user: str | None) -> str | None:
         """The path of the adapter `user`'s requests decode with, None for the shared policy."""
         if user in self._user_adapters:
-            return self._user_adapters[user][2]
+            return self._user_adapters[user][1]
         evicted = self._evicted.get(user)  # dropped for max_loaded_adapters: loaded again on their next request
         return evicted[0] if evicted else None
 

@@ -95,15 +95,47 @@ def read_adapter(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[s
     return deltas
 
 
+@dataclass(frozen=True)
+class _Routing:
+    """One forward's rows by adapter: `spans` (start, stop, key) of contiguous rows on one adapter
+    (a prompt chunk, or every row), each a view; `singles` the rows left, one adapter each (decode
+    rows of different users), as (keys, rows) applied in one batched matmul."""
+
+    rows: int
+    spans: tuple[tuple[int, int, Hashable], ...] = ()
+    singles: tuple[tuple[Hashable, ...], torch.Tensor] | None = None
+
+
 class _Router:
     """Which adapter each flat row of the next forward uses, shared by every wrapped Linear. A
     forward runs on one thread (the decode loop), so a plain attribute under a lock is enough."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[Hashable, torch.Tensor | None]] = []  # (key, rows); rows None = all
-        self.rows = 0
+        self.routing: _Routing | None = None  # None: not routed (every row on the default)
         self.default: Hashable | None = None  # the adapter of rows that name none
         self.lock = threading.Lock()
+
+
+class _Slots:
+    """The same-shaped adapters of one Linear in one pair of tensors, one slot each, so decode rows of
+    many users gather their A and B with one `index_select` each. A slot is written once on load and
+    freed on unload (never copied again); the tensors double when full."""
+
+    def __init__(self, a_t: torch.Tensor, b_t: torch.Tensor):
+        self.a = a_t.new_zeros((2, *a_t.shape))  # [slots, in, r]
+        self.b = b_t.new_zeros((2, *b_t.shape))  # [slots, r, out]
+        self.free = [1, 0]
+
+    def add(self, d: LoraDelta) -> int:
+        if not self.free:
+            n = self.a.shape[0]
+            self.a = torch.cat([self.a, torch.zeros_like(self.a)])
+            self.b = torch.cat([self.b, torch.zeros_like(self.b)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        slot = self.free.pop()
+        self.a[slot].copy_(d.a_t)
+        self.b[slot].copy_(d.b_t)
+        return slot
 
 
 class MultiLoraLinear(torch.nn.Module):
@@ -113,14 +145,34 @@ class MultiLoraLinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, router: _Router):
         super().__init__()
         self.base, self._router = base, router
-        self.deltas: dict[Hashable, LoraDelta] = {}
+        self.deltas: dict[Hashable, LoraDelta] = {}  # views into their slots
+        self._slots: dict[tuple, _Slots] = {}  # by (A's shape, B's shape)
+        self._slot_of: dict[Hashable, int] = {}
         self.in_features = getattr(base, "in_features", None)
         self.out_features = getattr(base, "out_features", None)
 
+    def add(self, key: Hashable, d: LoraDelta) -> None:
+        shape = (tuple(d.a_t.shape), tuple(d.b_t.shape))
+        slots = self._slots.get(shape)
+        if slots is None:
+            slots = self._slots[shape] = _Slots(d.a_t, d.b_t)
+        before = slots.a
+        self._slot_of[key] = slots.add(d)
+        if slots.a is not before:  # grown: the views of the old tensors are re-pointed
+            for k, old in list(self.deltas.items()):
+                if (tuple(old.a_t.shape), tuple(old.b_t.shape)) == shape:
+                    self.deltas[k] = LoraDelta(slots.a[self._slot_of[k]], slots.b[self._slot_of[k]])
+        self.deltas[key] = LoraDelta(slots.a[self._slot_of[key]], slots.b[self._slot_of[key]])
+
+    def drop(self, key: Hashable) -> None:
+        d = self.deltas.pop(key, None)
+        if d is not None:
+            self._slots[(tuple(d.a_t.shape), tuple(d.b_t.shape))].free.append(self._slot_of.pop(key))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        groups = self._router.groups
-        if not groups:  # not routed: every row on the default adapter, if there is one
+        routing = self._router.routing
+        if routing is None:  # not routed: every row on the default adapter, if there is one
             d = self.deltas.get(self._router.default) if self._router.default is not None else None
             if d is not None:
                 with _one_thread():
@@ -129,18 +181,36 @@ class MultiLoraLinear(torch.nn.Module):
         if not self.deltas:
             return y
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        if flat_x.shape[0] != self._router.rows:
-            raise RuntimeError(f"routed {self._router.rows} rows, the forward has {flat_x.shape[0]}")
+        if flat_x.shape[0] != routing.rows:
+            raise RuntimeError(f"routed {routing.rows} rows, the forward has {flat_x.shape[0]}")
         with _one_thread():
-            for key, rows in groups:
-                d = self.deltas.get(key)
-                if d is None:  # this adapter leaves this module as the base has it
-                    continue
-                if rows is None:
-                    flat_y.addmm_(flat_x @ d.a_t, d.b_t)
-                else:
-                    flat_y.index_add_(0, rows, (flat_x.index_select(0, rows) @ d.a_t) @ d.b_t)
+            for start, stop, key in routing.spans:
+                if (d := self.deltas.get(key)) is not None:  # None: this adapter leaves the module as is
+                    flat_y[start:stop].addmm_(flat_x[start:stop] @ d.a_t, d.b_t)
+            if routing.singles is not None:
+                self._singles(flat_x, flat_y, *routing.singles)
         return y
+
+    def _singles(self, flat_x: torch.Tensor, flat_y: torch.Tensor, keys: tuple, rows: torch.Tensor) -> None:
+        """One row per adapter, several adapters: the A and B of same-shaped ones gathered from their
+        slots, two batched matmuls. Per adapter (gather, two matmuls, scatter each) the small ops'
+        dispatch cost more than their math: 8 rows on 8 adapters, ~40 against ~16 ms a step over
+        SmolLM2's 210 Linears (1 thread, docs/performance.md)."""
+        by_shape: dict[tuple, list[int]] = {}
+        for i, k in enumerate(keys):
+            if (d := self.deltas.get(k)) is not None:  # None: this adapter leaves the module as is
+                by_shape.setdefault((d.a_t.shape, d.b_t.shape), []).append(i)
+        for members in by_shape.values():
+            deltas = [self.deltas[keys[i]] for i in members]
+            if len(members) == 1:
+                row = int(rows[members[0]])
+                flat_y[row:row + 1].addmm_(flat_x[row:row + 1] @ deltas[0].a_t, deltas[0].b_t)
+                continue
+            idx = rows if len(members) == len(keys) else rows[members]
+            slots = self._slots[(tuple(deltas[0].a_t.shape), tuple(deltas[0].b_t.shape))]
+            at = torch.tensor([self._slot_of[keys[i]] for i in members])
+            a, b = slots.a.index_select(0, at), slots.b.index_select(0, at)  # [m, in, r], [m, r, out]
+            flat_y.index_add_(0, idx, torch.bmm(torch.bmm(flat_x.index_select(0, idx).unsqueeze(1), a), b).squeeze(1))
 
 
 @contextlib.contextmanager
@@ -182,6 +252,7 @@ def plain_copy(model: Any) -> Any:
         shared[id(multi)] = None
         for layer in multi.layers.values():
             shared[id(layer._router)], shared[id(layer.deltas)] = None, {}
+            shared[id(layer._slots)], shared[id(layer._slot_of)] = {}, {}
     shell = copy.deepcopy(model, shared)
     for parent in list(shell.modules()):
         for name, child in list(parent.named_children()):
@@ -237,17 +308,23 @@ class MultiLora:
                     or d.a_t.shape[1] != d.b_t.shape[0]:
                 raise AdapterError(f"the adapter's {name} is {tuple(d.a_t.shape)} x {tuple(d.b_t.shape)}, "
                                    f"the base's Linear {layer.in_features} -> {layer.out_features}")
-        for name, d in deltas.items():
-            self.layers[name].deltas[key] = d
-        self._keys.add(key)
+        with self._router.lock:  # between forwards: no row reads a slot while it is written
+            for name, d in deltas.items():
+                self.layers[name].add(key, d)
+            self._keys.add(key)
         return sum(d.nbytes for d in deltas.values())
+
+    def deltas(self, key: Hashable) -> dict[str, LoraDelta]:
+        """A loaded adapter's deltas (views of its slots), to load it on another base's MultiLora."""
+        return {name: layer.deltas[key] for name, layer in self.layers.items() if key in layer.deltas}
 
     def unload(self, key: Hashable) -> None:
         if key == self._router.default:
             raise ValueError(f"{key!r} is the default adapter; set another default first")
-        for layer in self.layers.values():
-            layer.deltas.pop(key, None)
-        self._keys.discard(key)
+        with self._router.lock:
+            for layer in self.layers.values():
+                layer.drop(key)
+            self._keys.discard(key)
 
     @contextlib.contextmanager
     def unrouted(self):
@@ -269,23 +346,38 @@ class MultiLora:
         unknown = {a for a in adapters if a is not None} - self._keys
         if unknown:
             raise KeyError(f"adapters not loaded: {sorted(map(str, unknown))}")
-        total = sum(counts)
-        distinct = set(adapters)
-        if distinct <= {None}:
-            groups: list[tuple[Hashable, torch.Tensor | None]] = []
-        elif len(distinct) == 1:  # every row on one adapter: no gather
-            groups = [(adapters[0], None)]
-        else:
-            rows: dict[Hashable, list[int]] = {}
-            at = 0
-            for a, n in zip(adapters, counts):
-                if a is not None:
-                    rows.setdefault(a, []).extend(range(at, at + n))
-                at += n
-            groups = [(a, torch.tensor(r, dtype=torch.long)) for a, r in rows.items()]
         with self._router.lock:
-            self._router.groups, self._router.rows = groups, total
+            self._router.routing = _routing(adapters, counts)
             try:
                 yield
             finally:
-                self._router.groups, self._router.rows = [], 0
+                self._router.routing = None
+
+
+def _routing(adapters: Sequence[Hashable | None], counts: Sequence[int]) -> _Routing:
+    """Segments (adapter, count) in row order as spans and singles (None: no adapter, the base)."""
+    total = sum(counts)
+    distinct = set(adapters)
+    if distinct <= {None}:
+        return _Routing(total)
+    if len(distinct) == 1:  # every row on one adapter: one span, no gather
+        return _Routing(total, ((0, total, adapters[0]),))
+    spans, single_keys, single_rows, at = [], [], [], 0
+    for a, n in zip(adapters, counts):
+        if a is not None:
+            if n == 1:
+                single_keys.append(a)
+                single_rows.append(at)
+            else:
+                spans.append((at, at + n, a))
+        at += n
+    singles = None
+    if len(set(single_keys)) == 1:  # one adapter's decode rows: as spans of the consecutive ones
+        for row in single_rows:
+            if spans and spans[-1][1] == row and spans[-1][2] == single_keys[0]:
+                spans[-1] = (spans[-1][0], row + 1, single_keys[0])
+            else:
+                spans.append((row, row + 1, single_keys[0]))
+    elif single_keys:
+        singles = (tuple(single_keys), torch.tensor(single_rows, dtype=torch.long))
+    return _Routing(total, tuple(spans), singles)
