@@ -75,8 +75,8 @@ class TorchEngine:  # an `engine_protocol.Engine`
         self.rewarm_tokens, self.rewarm_max_s = rewarm_tokens, rewarm_max_s
         self.rewarm_min_tokens = rewarm_min_tokens  # shorter prompts are prefilled on demand
         self.last_rewarm: dict | None = None  # what the last reload's re-warm did (the reload's answer)
-        # users' own adapters: user -> (key, deltas, path); the key changes with every version loaded
-        self._user_adapters: dict[str, tuple[tuple, str]] = {}  # user -> (key, path)
+        # users' own adapters: user -> (key, path); the key changes with every version loaded
+        self._user_adapters: dict[str, tuple[tuple, str]] = {}
         self._adapter_loads = 0
         self._retiring: list[tuple[Any, tuple]] = []  # (model, key) replaced, dropped once no request uses it
         # at most this many users' adapters held; the least recently used is dropped, its path kept
