@@ -148,7 +148,7 @@ def test_decode_rows_of_many_adapters_match_each_row_alone(tiny_model_dir, adapt
         multi.load(key, read_adapter(path))
     doubled = {k: type(d)(d.a_t * 2, d.b_t * -0.25) for k, d in read_adapter(adapters["a0"]).items()}
     multi.load("a0x2", doubled)  # a0's shape, half its delta negated: in the slot beside a0's
-    multi.load("a0x3", {k: type(d)(d.a_t, d.b_t * 3) for k, d in doubled.items()})  # a third: the slots grow
+    multi.load("a0x3", {k: type(d)(d.a_t, d.b_t * 3) for k, d in doubled.items()})  # a third: the 2 slots grow
     ids = torch.randint(5, 2000, (8, 1), generator=torch.Generator().manual_seed(2))
 
     def check(per_row):

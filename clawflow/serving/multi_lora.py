@@ -119,7 +119,8 @@ class _Router:
 class _Slots:
     """The same-shaped adapters of one Linear in one pair of tensors, one slot each, so decode rows of
     many users gather their A and B with one `index_select` each. A slot is written once on load and
-    freed on unload (never copied again); the tensors double when full."""
+    freed on unload (never copied again); full, the tensors grow by a quarter (at least 4 slots), so
+    `serving.max_loaded_adapters` plus a reloading user's old version costs few empty slots."""
 
     def __init__(self, a_t: torch.Tensor, b_t: torch.Tensor):
         self.a = a_t.new_zeros((2, *a_t.shape))  # [slots, in, r]
@@ -128,10 +129,10 @@ class _Slots:
 
     def add(self, d: LoraDelta) -> int:
         if not self.free:
-            n = self.a.shape[0]
-            self.a = torch.cat([self.a, torch.zeros_like(self.a)])
-            self.b = torch.cat([self.b, torch.zeros_like(self.b)])
-            self.free = list(range(2 * n - 1, n - 1, -1))
+            n, more = self.a.shape[0], max(4, self.a.shape[0] // 4)
+            self.a = torch.cat([self.a, self.a.new_zeros((more, *self.a.shape[1:]))])
+            self.b = torch.cat([self.b, self.b.new_zeros((more, *self.b.shape[1:]))])
+            self.free = list(range(n + more - 1, n - 1, -1))
         slot = self.free.pop()
         self.a[slot].copy_(d.a_t)
         self.b[slot].copy_(d.b_t)
