@@ -167,3 +167,6 @@ def test_decode_rows_of_many_adapters_match_each_row_alone(tiny_model_dir, adapt
     multi.unload("a0x2")  # its slot is freed and taken by the next load, the others untouched
     multi.load("a0x4", {k: type(d)(d.a_t, -d.b_t) for k, d in doubled.items()})
     check(["a0", "a0x4", "a0x3", "a0x3", "a2", "a0", None, "a0x4"])
+    for i in range(3):  # past the first 4 slots: they grow, and every loaded adapter keeps its delta
+        multi.load(f"g{i}", {k: type(d)(d.a_t, d.b_t * (i + 5)) for k, d in doubled.items()})
+    check(["g2", "a0x4", "a0x3", "g0", "a1", "a0", None, "g1"])

@@ -98,12 +98,13 @@ def read_adapter(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[s
 @dataclass(frozen=True)
 class _Routing:
     """One forward's rows by adapter: `spans` (start, stop, key) of contiguous rows on one adapter
-    (a prompt chunk, or every row), each a view; `singles` the rows left, one adapter each (decode
-    rows of different users), as (keys, rows) applied in one batched matmul."""
+    (a prompt chunk, or every row), each a view; `slotted` the other rows whose adapters have a slot,
+    as (rows, slots), applied in one batched matmul per Linear; `loose` the rest, (row, key) each."""
 
     rows: int
     spans: tuple[tuple[int, int, Hashable], ...] = ()
-    singles: tuple[tuple[Hashable, ...], torch.Tensor] | None = None
+    slotted: tuple[torch.Tensor, torch.Tensor] | None = None
+    loose: tuple[tuple[int, Hashable], ...] = ()
 
 
 class _Router:
@@ -116,29 +117,6 @@ class _Router:
         self.lock = threading.Lock()
 
 
-class _Slots:
-    """The same-shaped adapters of one Linear in one pair of tensors, one slot each, so decode rows of
-    many users gather their A and B with one `index_select` each. A slot is written once on load and
-    freed on unload (never copied again); full, the tensors grow by a quarter (at least 4 slots), so
-    `serving.max_loaded_adapters` plus a reloading user's old version costs few empty slots."""
-
-    def __init__(self, a_t: torch.Tensor, b_t: torch.Tensor):
-        self.a = a_t.new_zeros((2, *a_t.shape))  # [slots, in, r]
-        self.b = b_t.new_zeros((2, *b_t.shape))  # [slots, r, out]
-        self.free = [1, 0]
-
-    def add(self, d: LoraDelta) -> int:
-        if not self.free:
-            n, more = self.a.shape[0], max(4, self.a.shape[0] // 4)
-            self.a = torch.cat([self.a, self.a.new_zeros((more, *self.a.shape[1:]))])
-            self.b = torch.cat([self.b, self.b.new_zeros((more, *self.b.shape[1:]))])
-            self.free = list(range(n + more - 1, n - 1, -1))
-        slot = self.free.pop()
-        self.a[slot].copy_(d.a_t)
-        self.b[slot].copy_(d.b_t)
-        return slot
-
-
 class MultiLoraLinear(torch.nn.Module):
     """A base Linear plus, per routed adapter, its low-rank delta on that adapter's rows. For
     inference: the deltas are added to the base's output in place."""
@@ -146,29 +124,41 @@ class MultiLoraLinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, router: _Router):
         super().__init__()
         self.base, self._router = base, router
-        self.deltas: dict[Hashable, LoraDelta] = {}  # views into their slots
-        self._slots: dict[tuple, _Slots] = {}  # by (A's shape, B's shape)
-        self._slot_of: dict[Hashable, int] = {}
+        self.deltas: dict[Hashable, LoraDelta] = {}  # a slotted adapter's: views of its slot
+        # every slotted adapter's A and B, by the slot MultiLora gave it (zero where it leaves this
+        # Linear as it is): [slots, in, r] and [slots, r, out]; None until the first one
+        self.a: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
         self.in_features = getattr(base, "in_features", None)
         self.out_features = getattr(base, "out_features", None)
 
-    def add(self, key: Hashable, d: LoraDelta) -> None:
-        shape = (tuple(d.a_t.shape), tuple(d.b_t.shape))
-        slots = self._slots.get(shape)
-        if slots is None:
-            slots = self._slots[shape] = _Slots(d.a_t, d.b_t)
-        before = slots.a
-        self._slot_of[key] = slots.add(d)
-        if slots.a is not before:  # grown: the views of the old tensors are re-pointed
-            for k, old in list(self.deltas.items()):
-                if (tuple(old.a_t.shape), tuple(old.b_t.shape)) == shape:
-                    self.deltas[k] = LoraDelta(slots.a[self._slot_of[k]], slots.b[self._slot_of[k]])
-        self.deltas[key] = LoraDelta(slots.a[self._slot_of[key]], slots.b[self._slot_of[key]])
-
-    def drop(self, key: Hashable) -> None:
-        d = self.deltas.pop(key, None)
+    def put(self, key: Hashable, slot: int | None, d: LoraDelta | None, slots: int, rank: int) -> None:
+        """`key`'s delta here: into `slot` of `slots` (zeros when d is None: the adapter leaves this
+        Linear as it is), or held apart when it has no slot (another rank: `slot` None)."""
+        if slot is None:
+            if d is not None:
+                self.deltas[key] = d
+            return
+        if self.a is None:  # no slotted adapter adapted this Linear yet: nothing to zero
+            if d is None:
+                return
+            self.a = d.a_t.new_zeros((slots, self.in_features, rank))
+            self.b = d.b_t.new_zeros((slots, rank, self.out_features))
+        self.a[slot].copy_(d.a_t) if d is not None else self.a[slot].zero_()
+        self.b[slot].copy_(d.b_t) if d is not None else self.b[slot].zero_()
         if d is not None:
-            self._slots[(tuple(d.a_t.shape), tuple(d.b_t.shape))].free.append(self._slot_of.pop(key))
+            self.deltas[key] = LoraDelta(self.a[slot], self.b[slot])
+
+    def grow(self, slots: int, slot_of: dict[Hashable, int]) -> None:
+        """Room for `slots` slotted adapters; the views in `deltas` follow the new tensors."""
+        if self.a is None:
+            return
+        have = self.a.shape[0]
+        self.a = torch.cat([self.a, self.a.new_zeros((slots - have, *self.a.shape[1:]))])
+        self.b = torch.cat([self.b, self.b.new_zeros((slots - have, *self.b.shape[1:]))])
+        for key, slot in slot_of.items():
+            if key in self.deltas:
+                self.deltas[key] = LoraDelta(self.a[slot], self.b[slot])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -188,30 +178,19 @@ class MultiLoraLinear(torch.nn.Module):
             for start, stop, key in routing.spans:
                 if (d := self.deltas.get(key)) is not None:  # None: this adapter leaves the module as is
                     flat_y[start:stop].addmm_(flat_x[start:stop] @ d.a_t, d.b_t)
-            if routing.singles is not None:
-                self._singles(flat_x, flat_y, *routing.singles)
+            if routing.slotted is not None and self.a is not None:
+                # decode rows of several users: their A and B gathered by slot, two batched matmuls.
+                # Per adapter (gather, two matmuls, scatter each) the small ops' dispatch cost more
+                # than their math: 8 rows on 8 adapters, ~40 against ~16 ms a step over SmolLM2's
+                # 210 Linears (1 thread, docs/performance.md)
+                rows, slots = routing.slotted
+                delta = torch.bmm(torch.bmm(flat_x.index_select(0, rows).unsqueeze(1), self.a.index_select(0, slots)),
+                                  self.b.index_select(0, slots))
+                flat_y.index_add_(0, rows, delta.squeeze(1))
+            for row, key in routing.loose:
+                if (d := self.deltas.get(key)) is not None:
+                    flat_y[row:row + 1].addmm_(flat_x[row:row + 1] @ d.a_t, d.b_t)
         return y
-
-    def _singles(self, flat_x: torch.Tensor, flat_y: torch.Tensor, keys: tuple, rows: torch.Tensor) -> None:
-        """One row per adapter, several adapters: the A and B of same-shaped ones gathered from their
-        slots, two batched matmuls. Per adapter (gather, two matmuls, scatter each) the small ops'
-        dispatch cost more than their math: 8 rows on 8 adapters, ~40 against ~16 ms a step over
-        SmolLM2's 210 Linears (1 thread, docs/performance.md)."""
-        by_shape: dict[tuple, list[int]] = {}
-        for i, k in enumerate(keys):
-            if (d := self.deltas.get(k)) is not None:  # None: this adapter leaves the module as is
-                by_shape.setdefault((d.a_t.shape, d.b_t.shape), []).append(i)
-        for members in by_shape.values():
-            deltas = [self.deltas[keys[i]] for i in members]
-            if len(members) == 1:
-                row = int(rows[members[0]])
-                flat_y[row:row + 1].addmm_(flat_x[row:row + 1] @ deltas[0].a_t, deltas[0].b_t)
-                continue
-            idx = rows if len(members) == len(keys) else rows[members]
-            slots = self._slots[(tuple(deltas[0].a_t.shape), tuple(deltas[0].b_t.shape))]
-            at = torch.tensor([self._slot_of[keys[i]] for i in members])
-            a, b = slots.a.index_select(0, at), slots.b.index_select(0, at)  # [m, in, r], [m, r, out]
-            flat_y.index_add_(0, idx, torch.bmm(torch.bmm(flat_x.index_select(0, idx).unsqueeze(1), a), b).squeeze(1))
 
 
 @contextlib.contextmanager
@@ -253,7 +232,7 @@ def plain_copy(model: Any) -> Any:
         shared[id(multi)] = None
         for layer in multi.layers.values():
             shared[id(layer._router)], shared[id(layer.deltas)] = None, {}
-            shared[id(layer._slots)], shared[id(layer._slot_of)] = {}, {}
+            shared[id(layer.a)], shared[id(layer.b)] = None, None
     shell = copy.deepcopy(model, shared)
     for parent in list(shell.modules()):
         for name, child in list(parent.named_children()):
@@ -280,6 +259,13 @@ class MultiLora:
             setattr(parent, attr, wrapped)
             self.layers[name] = wrapped
         self._keys: set[Hashable] = set()
+        # slots: every adapter of the first one's rank has the same slot in every Linear, so one
+        # forward's decode rows gather their A and B with one tensor of slots for all 210 Linears;
+        # written on load, freed on unload, never copied again (growth aside)
+        self._slot_of: dict[Hashable, int] = {}
+        self._free: list[int] = []
+        self._rank: int | None = None
+        self._edit = threading.Lock()  # one load or unload at a time
 
     def keys(self) -> set[Hashable]:
         return set(self._keys)
@@ -309,11 +295,30 @@ class MultiLora:
                     or d.a_t.shape[1] != d.b_t.shape[0]:
                 raise AdapterError(f"the adapter's {name} is {tuple(d.a_t.shape)} x {tuple(d.b_t.shape)}, "
                                    f"the base's Linear {layer.in_features} -> {layer.out_features}")
-        with self._router.lock:  # between forwards: no row reads a slot while it is written
-            for name, d in deltas.items():
-                self.layers[name].add(key, d)
+        ranks = {d.a_t.shape[1] for d in deltas.values()}
+        # Not under the router's lock: waiting for it (the decode loop takes it back-to-back) held a
+        # user's reload up to 1.1 s. Nothing in flight reads what this writes: a free slot belongs to
+        # no routed key, and growth copies every live slot before the views move.
+        with self._edit:
+            slot = None
+            if len(ranks) == 1 and (self._rank is None or ranks == {self._rank}):
+                self._rank = next(iter(ranks))
+                if not self._free:
+                    self._grow()
+                slot = self._slot_of[key] = self._free.pop()
+            for name, layer in self.layers.items():
+                layer.put(key, slot, deltas.get(name), len(self._slot_of) + len(self._free), self._rank or 0)
             self._keys.add(key)
         return sum(d.nbytes for d in deltas.values())
+
+    def _grow(self) -> None:
+        """More slots: a quarter more (at least 4), so `serving.max_loaded_adapters` and a user's
+        reloading version leave few empty."""
+        have = len(self._slot_of) + len(self._free)
+        more = max(4, have // 4)
+        for layer in self.layers.values():
+            layer.grow(have + more, self._slot_of)
+        self._free = list(range(have + more - 1, have - 1, -1))
 
     def deltas(self, key: Hashable) -> dict[str, LoraDelta]:
         """A loaded adapter's deltas (views of its slots), to load it on another base's MultiLora."""
@@ -322,9 +327,11 @@ class MultiLora:
     def unload(self, key: Hashable) -> None:
         if key == self._router.default:
             raise ValueError(f"{key!r} is the default adapter; set another default first")
-        with self._router.lock:
+        with self._edit:  # the engine unloads between forwards, on the decode thread
             for layer in self.layers.values():
-                layer.drop(key)
+                layer.deltas.pop(key, None)
+            if (slot := self._slot_of.pop(key, None)) is not None:
+                self._free.append(slot)
             self._keys.discard(key)
 
     @contextlib.contextmanager
@@ -348,37 +355,38 @@ class MultiLora:
         if unknown:
             raise KeyError(f"adapters not loaded: {sorted(map(str, unknown))}")
         with self._router.lock:
-            self._router.routing = _routing(adapters, counts)
+            self._router.routing = _routing(adapters, counts, self._slot_of)
             try:
                 yield
             finally:
                 self._router.routing = None
 
 
-def _routing(adapters: Sequence[Hashable | None], counts: Sequence[int]) -> _Routing:
-    """Segments (adapter, count) in row order as spans and singles (None: no adapter, the base)."""
+def _routing(adapters: Sequence[Hashable | None], counts: Sequence[int], slot_of: dict[Hashable, int]) -> _Routing:
+    """Segments (adapter, count) in row order as spans, slotted rows and loose rows (None: no
+    adapter, the base)."""
     total = sum(counts)
     distinct = set(adapters)
     if distinct <= {None}:
         return _Routing(total)
     if len(distinct) == 1:  # every row on one adapter: one span, no gather
         return _Routing(total, ((0, total, adapters[0]),))
-    spans, single_keys, single_rows, at = [], [], [], 0
+    spans, singles, at = [], [], 0
     for a, n in zip(adapters, counts):
         if a is not None:
             if n == 1:
-                single_keys.append(a)
-                single_rows.append(at)
+                singles.append((at, a))
             else:
                 spans.append((at, at + n, a))
         at += n
-    singles = None
-    if len(set(single_keys)) == 1:  # one adapter's decode rows: as spans of the consecutive ones
-        for row in single_rows:
-            if spans and spans[-1][1] == row and spans[-1][2] == single_keys[0]:
-                spans[-1] = (spans[-1][0], row + 1, single_keys[0])
+    if len({a for _, a in singles}) == 1:  # one adapter's decode rows: spans of the consecutive ones
+        for row, a in singles:
+            if spans and spans[-1][1] == row and spans[-1][2] == a:
+                spans[-1] = (spans[-1][0], row + 1, a)
             else:
-                spans.append((row, row + 1, single_keys[0]))
-    elif single_keys:
-        singles = (tuple(single_keys), torch.tensor(single_rows, dtype=torch.long))
-    return _Routing(total, tuple(spans), singles)
+                spans.append((row, row + 1, a))
+        return _Routing(total, tuple(spans))
+    slotted = [(row, slot_of[a]) for row, a in singles if a in slot_of]
+    loose = tuple((row, a) for row, a in singles if a not in slot_of)
+    return _Routing(total, tuple(spans), (torch.tensor([r for r, _ in slotted]), torch.tensor([s for _, s in slotted]))
+                    if slotted else None, loose)
