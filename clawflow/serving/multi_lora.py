@@ -10,7 +10,9 @@ plain torch). The base weights are never modified, so a row with no adapter gets
   deltas, refusing what it cannot apply exactly (DoRA, trained biases, extra saved modules, a
   module or shape the base does not have).
 - `MultiLora(model)` wraps every Linear of the decoder layers once; `load(key, deltas)` and
-  `unload(key)` add or drop one adapter without touching another's.
+  `unload(key)` add or drop one adapter without touching another's. Adapters of one rank share
+  slots (the same slot in every Linear), so decode rows of many users gather their A and B with one
+  tensor of slots and two batched matmuls per Linear.
 - `route(adapters, counts)` says, for the next forward, which adapter each segment of the flat rows
   uses (a decode row is one row; a prompt chunk is `count` rows). Every wrapped Linear reads it.
   It works for the fused step's flat `[N, D]` rows and for transformers' `[B, T, D]` alike.
