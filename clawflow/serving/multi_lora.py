@@ -146,10 +146,13 @@ class MultiLoraLinear(torch.nn.Module):
                 return
             self.a = d.a_t.new_zeros((slots, self.in_features, rank))
             self.b = d.b_t.new_zeros((slots, rank, self.out_features))
-        self.a[slot].copy_(d.a_t) if d is not None else self.a[slot].zero_()
-        self.b[slot].copy_(d.b_t) if d is not None else self.b[slot].zero_()
-        if d is not None:
-            self.deltas[key] = LoraDelta(self.a[slot], self.b[slot])
+        if d is None:  # a freed slot may hold an unloaded adapter's delta
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            return
+        self.a[slot].copy_(d.a_t)
+        self.b[slot].copy_(d.b_t)
+        self.deltas[key] = LoraDelta(self.a[slot], self.b[slot])
 
     def grow(self, slots: int, slot_of: dict[Hashable, int]) -> None:
         """Room for `slots` slotted adapters; the views in `deltas` follow the new tensors."""
