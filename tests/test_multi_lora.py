@@ -170,3 +170,6 @@ def test_decode_rows_of_many_adapters_match_each_row_alone(tiny_model_dir, adapt
     for i in range(3):  # past the first 4 slots: they grow, and every loaded adapter keeps its delta
         multi.load(f"g{i}", {k: type(d)(d.a_t, d.b_t * (i + 5)) for k, d in doubled.items()})
     check(["g2", "a0x4", "a0x3", "g0", "a1", "a0", None, "g1"])
+    multi.unload("g0")  # its slot goes to an adapter of q_proj only: the other Linears' slot is zeroed
+    multi.load("q_only", {k: d for k, d in doubled.items() if k.endswith("q_proj")})
+    check(["q_only", "a0x4", "g1", "a0", "a0", "a0", None, "q_only"])
