@@ -146,7 +146,7 @@ SERVED: dict[str, str] = {}  # server -> the dtype it served in
 
 def start_clawflow(model: str, tmp: Path, fsync: str | None = None, dtype: str | None = None,
                    linear_kernel: str | None = None, users: dict[str, str] | None = None,
-                   threads: int | str | None = None) -> Server:
+                   threads: int | None = None) -> Server:
     port = free_port()
     raw = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     raw["home"] = str(tmp / "clawflow-home")

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reload-every", type=float, default=0.0, help="seconds between user 0's reloads (0: no reloads mode)")
-    ap.add_argument("--threads", default=None, help="the gateway's serving.threads (default: the shipped config's)")
+    ap.add_argument("--threads", type=int, default=None, help="the gateway's serving.threads (default: the shipped config's)")
     args = ap.parse_args()
 
     model = model_dir()
@@ -56,7 +56,7 @@ def main() -> None:
     n = max(args.adapters)
     paths = make_adapters(model, n, args.rank, tmp / "adapters")
     keys = {f"user{i}": f"bench-key-{i}" for i in range(n)}
-    threads = int(args.threads) if args.threads and args.threads.isdigit() else args.threads
+    threads = args.threads
     server = start_clawflow(model, tmp, users={u: hashlib.sha256(k.encode()).hexdigest() for u, k in keys.items()},
                             threads=threads)
     admin = {"Authorization": "Bearer clawflow-admin"}

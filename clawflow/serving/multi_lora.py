@@ -134,7 +134,7 @@ class MultiLoraLinear(torch.nn.Module):
         self.in_features = getattr(base, "in_features", None)
         self.out_features = getattr(base, "out_features", None)
 
-    def put(self, key: Hashable, slot: int | None, d: LoraDelta | None, slots: int, rank: int) -> None:
+    def put(self, key: Hashable, slot: int | None, d: LoraDelta | None, slots: int) -> None:
         """`key`'s delta here: into `slot` of `slots` (zeros when d is None: the adapter leaves this
         Linear as it is), or held apart when it has no slot (another rank: `slot` None)."""
         if slot is None:
@@ -144,8 +144,8 @@ class MultiLoraLinear(torch.nn.Module):
         if self.a is None:  # no slotted adapter adapted this Linear yet: nothing to zero
             if d is None:
                 return
-            self.a = d.a_t.new_zeros((slots, self.in_features, rank))
-            self.b = d.b_t.new_zeros((slots, rank, self.out_features))
+            self.a = d.a_t.new_zeros((slots, *d.a_t.shape))
+            self.b = d.b_t.new_zeros((slots, *d.b_t.shape))
         if d is None:  # a freed slot may hold an unloaded adapter's delta
             self.a[slot].zero_()
             self.b[slot].zero_()
@@ -312,18 +312,21 @@ class MultiLora:
                     self._grow()
                 slot = self._slot_of[key] = self._free.pop()
             for name, layer in self.layers.items():
-                layer.put(key, slot, deltas.get(name), len(self._slot_of) + len(self._free), self._rank or 0)
+                layer.put(key, slot, deltas.get(name), self._slots())
             self._keys.add(key)
         return sum(d.nbytes for d in deltas.values())
 
     def _grow(self) -> None:
         """More slots: a quarter more (at least 4), so `serving.max_loaded_adapters` and a user's
         reloading version leave few empty."""
-        have = len(self._slot_of) + len(self._free)
+        have = self._slots()
         more = max(4, have // 4)
         for layer in self.layers.values():
             layer.grow(have + more, self._slot_of)
         self._free = list(range(have + more - 1, have - 1, -1))
+
+    def _slots(self) -> int:
+        return len(self._slot_of) + len(self._free)
 
     def deltas(self, key: Hashable) -> dict[str, LoraDelta]:
         """A loaded adapter's deltas (views of its slots), to load it on another base's MultiLora."""
