@@ -16,6 +16,8 @@ from clawflow.config import REPO_ROOT, load_config
 from clawflow.train.launch import TrainingError, run_training
 from clawflow.train.loss import sequence_logprobs
 
+import _recipe_here as recipe_here
+
 PROMPTS = [[1, 17, 42, 99, 7], [1, 200, 3, 64]]
 REWARDS = [1.0, -1.0]
 
@@ -78,12 +80,17 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def train(home: Path, base: Path, batch: Path, name: str, stop_after: int = 0, **train) -> tuple[Path, dict, float]:
+def train(home: Path, base: Path, batch: Path, name: str, stop_after: int = 0, here: bool = False,
+          **train) -> tuple[Path, dict, float]:
+    """Under torchrun, as users run it; `here`: the same recipe in this process (tests/_recipe_here.py)."""
     cfg_path = write_config(home, lr=1e-2, epochs=2, micro_batch=2, **train)
     out = home / "ckpt" / name
     t0 = time.monotonic()
-    metrics = run_training(cfg_path, load_config(cfg_path), base, batch, out, timeout_s=300, parent_version=4,
-                           stop_after=stop_after)
+    if here:
+        metrics = recipe_here.train(cfg_path, load_config(cfg_path), base, batch, out, parent_version=4)
+    else:
+        metrics = run_training(cfg_path, load_config(cfg_path), base, batch, out, timeout_s=300, parent_version=4,
+                               stop_after=stop_after)
     return out, metrics, time.monotonic() - t0
 
 
@@ -151,7 +158,7 @@ def test_training_moves_logprobs_the_way_of_the_reward(base, batch, trained):
 
 
 def test_bf16_autocast_run_takes_the_fp32_steps_within_rounding(base, batch, trained, home):
-    out, metrics, _ = train(home, base, batch[0], "bf16", autocast="bfloat16")
+    out, metrics, _ = train(home, base, batch[0], "bf16", here=True, autocast="bfloat16")
     assert metrics["bf16_autocast"] == 1.0 and trained[1]["bf16_autocast"] == 0.0
     assert metrics["steps"] == trained[1]["steps"]
     for a, b in zip(metrics["per_step"], trained[1]["per_step"]):

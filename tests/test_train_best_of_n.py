@@ -106,7 +106,7 @@ def test_choose_takes_the_usable_candidate_the_selection_prefers(select, usable,
     assert choose(cands, usable, select) == expected
 
 
-@pytest.mark.slow  # one torchrun run: ~20 s
+@pytest.mark.slow  # a training run
 def test_the_run_learns_the_candidate_chosen_by_the_plain_prompt(tiny, tiny_model_dir, tmp_path):
     model, tok, hinted, plain = tiny
     row = {"turn_id": "t0", "prompt_token_ids": plain, "response_token_ids": [tok.convert_tokens_to_ids(".")] * 4,
@@ -139,7 +139,7 @@ def test_hint_strength_is_how_much_less_likely_the_hint_makes_the_plain_answers(
     assert hint_strength([], []) == 0.0
 
 
-@pytest.mark.slow  # one torchrun run: ~20 s
+@pytest.mark.slow  # a training run
 def test_strongest_hint_rewrites_every_corrected_turn(tiny, tiny_model_dir, tmp_path):
     model, tok, _, _ = tiny
     eos = {tok.eos_token_id}

@@ -100,7 +100,7 @@ def test_cut_at_eos_keeps_the_eos_token():
     assert cut_at_eos([5, 6], {2}) == [5, 6]
 
 
-@pytest.mark.slow  # one torchrun run: ~20 s
+@pytest.mark.slow  # a training run
 def test_distill_rewrites_corrected_replies_and_the_student_learns_them(tiny_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

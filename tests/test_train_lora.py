@@ -16,11 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from clawflow.config import REPO_ROOT, load_config
 from clawflow.serving.engine import TorchEngine
-from clawflow.train.launch import run_training
+
+import _recipe_here as recipe_here
 
 PROMPTS = [[1, 9690, 198, 2683, 314], [1, 4093, 28, 2683, 30, 314]]
 REWARDS = [1.0, -1.0]
-pytestmark = pytest.mark.slow  # two torchrun runs, a merge subprocess and a gateway: ~60 s
+pytestmark = pytest.mark.slow  # two training runs (in this process), a merge subprocess and a gateway
 
 
 def response_logprob(model, prompt, response) -> float:
@@ -45,7 +46,7 @@ def lora_run(tiny_model_dir, tmp_path_factory):
     raw["train"].update(lr=2e-2, epochs=2, micro_batch=2, lora={"r": 4, "alpha": 8})
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
     cfg = load_config(tmp / "cfg.yaml")
-    run_training(tmp / "cfg.yaml", cfg, Path(tiny_model_dir), tmp / "samples.parquet", tmp / "v1", timeout_s=300)
+    recipe_here.train(tmp / "cfg.yaml", cfg, Path(tiny_model_dir), tmp / "samples.parquet", tmp / "v1")
     return tmp, base, rows, cfg
 
 
@@ -65,7 +66,7 @@ def test_lora_checkpoint_is_the_adapter_and_learns(tiny_model_dir, lora_run):
         assert (after - before) * row["reward"] > 0, (row["reward"], before, after)
 
     # the next run starts from this adapter (the champion) and its AdamW state
-    run_training(tmp / "cfg.yaml", cfg, out, tmp / "samples.parquet", tmp / "v2", timeout_s=300, parent_version=1)
+    recipe_here.train(tmp / "cfg.yaml", cfg, out, tmp / "samples.parquet", tmp / "v2", parent_version=1)
     log = (tmp / "v2.log").read_text()
     assert f"AdamW state from {out}" in log
     v2 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),

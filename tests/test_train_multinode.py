@@ -9,10 +9,21 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import free_port
-from test_train import assert_same_as_one_process, base, batch, trained  # noqa: F401  (fixtures: the 1-process run)
+from test_train import assert_same_as_one_process, base, batch, train  # noqa: F401  (fixtures: the model, the batch)
 
 from clawflow.config import REPO_ROOT, Config, load_config
 from clawflow.train.launch import TrainingError, run_training, torchrun_command
+
+
+@pytest.fixture(scope="module")
+def trained(base, batch, tmp_path_factory) -> tuple[Path, dict]:  # noqa: F811
+    """The one-process reference, run in this process (tests/_recipe_here.py): test_train.py runs
+    it under torchrun, and a second torchrun start-up here would only repeat that."""
+    home = tmp_path_factory.mktemp("run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CLAWFLOW_HOME", str(home / "home"))
+        out, metrics, _ = train(home, base, batch[0], "v1", here=True)
+    return out, metrics
 
 
 def node_config(tmp: Path, node_rank: int, **train) -> tuple[Path, Config]:

@@ -17,8 +17,9 @@ from clawflow.contracts.judgment import Judged
 from clawflow.contracts.pair import Pair
 from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
 from clawflow.feedback import training_samples
-from clawflow.train.launch import run_training
 from clawflow.train.teacher import hinted_messages, teacher_prompt_ids
+
+import _recipe_here as recipe_here
 
 CONVERSATIONS = [
     ([{"role": "user", "content": "Tell me about cats."}], "Answer in French, in one sentence."),
@@ -83,8 +84,7 @@ def run(tmp_path: Path, base: str, batch: Path, name: str, **train) -> tuple[Pat
     cfg_path = tmp_path / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(raw))
     out = tmp_path / name
-    return out, run_training(cfg_path, load_config(cfg_path), Path(base), batch, out, timeout_s=300,
-                             frozen_base=Path(base))
+    return out, recipe_here.train(cfg_path, load_config(cfg_path), Path(base), batch, out, frozen_base=Path(base))
 
 
 def test_teacher_prompt_is_the_chat_template_of_the_hinted_messages(tiny_model_dir):
@@ -97,7 +97,7 @@ def test_teacher_prompt_is_the_chat_template_of_the_hinted_messages(tiny_model_d
     assert "[user's hint" not in tok.decode(encode(tok, messages)) and len(ids) > len(encode(tok, messages))
 
 
-@pytest.mark.slow  # two torchrun runs: ~40 s
+@pytest.mark.slow  # two training runs
 def test_opd_moves_the_student_toward_the_hinted_teacher(tiny_model_dir, opd_batch, tmp_path):
     batch, rows = opd_batch
     # Adam moves every weight by ~lr per step whatever the advantage's size, and this random model's

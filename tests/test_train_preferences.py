@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 
 from clawflow.config import REPO_ROOT, load_config
 from clawflow.contracts.sample import SCHEMA as SAMPLE_SCHEMA
-from clawflow.train import launch
 from clawflow.train.checkpoint import META_FILE
 from clawflow.train.plan import broad_items, teaching
 from clawflow.train.prompts import load_prompts
@@ -22,6 +21,8 @@ from clawflow.train.recipe import PREFERENCES_REPORT
 from clawflow.train.rewrite_choice import degenerate
 from tests.test_train_distill import CONVERSATIONS, MAX_TOKENS
 from tests.test_train_opd import encode
+
+import _recipe_here as recipe_here
 
 # requests of function words only: a random model's answers are never judged off the request
 PROMPTS = ["What is it?", "Can you do that?", "How would that be?", "Why is it so?", "What about this one?",
@@ -69,7 +70,7 @@ def _one_corrected_turn(model_dir: str, tmp_path: Path, hint: str) -> Path:
     return batch
 
 
-@pytest.mark.slow  # one torchrun run
+@pytest.mark.slow  # a training run
 def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_model_dir, tmp_path):
     batch = _one_corrected_turn(tiny_model_dir, tmp_path, "No, it was in 1945.")
     prefs = [{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy.", "Answer in at most 20 words."]},
@@ -88,8 +89,8 @@ def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_mod
     cfg_path = tmp_path / "prefs.yaml"
     cfg_path.write_text(yaml.safe_dump(raw))
     out = tmp_path / "prefs-out"
-    metrics = launch.run_training(cfg_path, load_config(cfg_path), Path(tiny_model_dir), batch, out, timeout_s=300,
-                                  frozen_base=Path(tiny_model_dir), preferences=pfile)
+    metrics = recipe_here.train(cfg_path, load_config(cfg_path), Path(tiny_model_dir), batch, out,
+                                frozen_base=Path(tiny_model_dir), preferences=pfile)
     meta = json.loads((out / META_FILE).read_text())
     assert meta["counts"]["broad"] == 4
     report = json.loads((out / PREFERENCES_REPORT).read_text())
@@ -117,7 +118,7 @@ def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_mod
     assert P.gain(P.answer_loglik(base, tok, PROMPTS, answers), P.answer_loglik(trained, tok, PROMPTS, answers)) > 0
 
 
-@pytest.mark.slow  # two torchrun runs
+@pytest.mark.slow  # a prepare step and two training runs
 def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir, tmp_path):
     """`recipe --prepare` (the flow's prepare-next-run, after a promotion) writes the next run's
     general-prompt rewrites and preference strengths; the next run from the same weights, drawing
@@ -141,8 +142,8 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
     cfg_path.write_text(yaml.safe_dump(raw))
     cfg, cache_dir = load_config(cfg_path), tmp_path / "rewrites"
 
-    launch.run_prepare(cfg_path, cfg, Path(tiny_model_dir), pfile, cache_dir, parent_version=0, broad_seed=7,
-                       timeout_s=300, gate_cache=tmp_path / "gate")
+    recipe_here.prepare(cfg_path, cfg, Path(tiny_model_dir), pfile, cache_dir, parent_version=0, broad_seed=7,
+                        gate_cache=tmp_path / "gate")
     kept = RewriteCache(cache_dir, tiny_model_dir, cfg.train)
     assert len(kept.data["replies"]) == 6  # 2 rehearsal questions + 4 general prompts
     assert len(kept.data["strengths"]) == 1
@@ -158,8 +159,8 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
     assert RewriteCache(cache_dir, tmp_path, cfg.train).data["replies"] == {}  # other weights: nothing
 
     out = tmp_path / "next-run"
-    metrics = launch.run_training(cfg_path, cfg, Path(tiny_model_dir), batch, out, timeout_s=300,
-                                  preferences=pfile, cache_dir=cache_dir, broad_seed=7)
+    metrics = recipe_here.train(cfg_path, cfg, Path(tiny_model_dir), batch, out, preferences=pfile,
+                                cache_dir=cache_dir, broad_seed=7)
     log = (tmp_path / "next-run.log").read_text()
     assert "6 rewrites written before with these weights, reused" in log
     assert "preference strengths measured before with these weights, reused" in log
@@ -174,8 +175,8 @@ def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir,
     # rehearsal answers written for it are still reused (they are kept under the preference's id)
     prefs[0]["variants"] = ["Too wordy."]  # the only wording left: the teacher reads it
     pfile.write_text(json.dumps(prefs))
-    launch.run_training(cfg_path, cfg, Path(tiny_model_dir), batch, tmp_path / "third-run", timeout_s=300,
-                        preferences=pfile, cache_dir=cache_dir, broad_seed=7)
+    recipe_here.train(cfg_path, cfg, Path(tiny_model_dir), batch, tmp_path / "third-run", preferences=pfile,
+                      cache_dir=cache_dir, broad_seed=7)
     log = (tmp_path / "third-run.log").read_text()
     assert "preference strengths measured before" not in log  # a new wording: measured again
     assert "the teacher reads 'Too wordy.'" in log

@@ -58,7 +58,7 @@ def test_the_rewrite_hint_goes_into_the_system_message():
     assert with_sys[0]["content"] == "You are Claw."  # a copy
 
 
-@pytest.mark.slow  # one torchrun run: ~20 s
+@pytest.mark.slow  # a training run
 def test_rehearsal_answers_that_state_their_fact_are_learned_and_the_others_left_out(tiny_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

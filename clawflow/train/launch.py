@@ -112,6 +112,15 @@ def run_training(
     return json.loads((out / "train_metrics.json").read_text())
 
 
+def prepare_command(config_path: Path, base: Path, preferences: Path, cache_dir: Path, parent_version: int,
+                    broad_seed: int, gate_cache: Path | None = None) -> list[str]:
+    """`recipe --prepare` under torchrun, one process (rank 0 generates alone)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            "-m", "clawflow.train.recipe", "--prepare", "--config", str(config_path), "--base", str(base),
+            "--preferences", str(preferences), "--cache-dir", str(cache_dir), "--parent-version", str(parent_version),
+            "--broad-seed", str(broad_seed)] + (["--gate-cache", str(gate_cache)] if gate_cache else [])
+
+
 def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, cache_dir: Path,
                 parent_version: int, broad_seed: int, timeout_s: float | None = None,
                 gate_cache: Path | None = None) -> Path:
@@ -123,11 +132,8 @@ def run_prepare(config_path: Path, cfg: Config, base: Path, preferences: Path, c
     cache_dir.mkdir(parents=True, exist_ok=True)
     log_path = cache_dir / "prepare.log"
     env = _child_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "clawflow.train.recipe", "--prepare", "--config", str(Path(config_path).resolve()),
-           "--base", str(Path(base).resolve()), "--preferences", str(Path(preferences).resolve()),
-           "--cache-dir", str(cache_dir), "--parent-version", str(parent_version), "--broad-seed", str(broad_seed)] \
-        + (["--gate-cache", str(Path(gate_cache).resolve())] if gate_cache else [])
+    cmd = prepare_command(Path(config_path).resolve(), Path(base).resolve(), Path(preferences).resolve(), cache_dir,
+                          parent_version, broad_seed, Path(gate_cache).resolve() if gate_cache else None)
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
