@@ -295,8 +295,7 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
                 f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate'][:160]}, promoted={out['promoted']}; "
                 f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s "
                 f"({', '.join(f'{p} {s:.0f} s' for p, s in out.get('seconds', {}).items())}; "
-                f"rewrites {out.get('rewrite_seconds') or 0:.0f} s of train; then the next run's rewrites "
-                f"prepared in {out.get('prepare_seconds') or 0:.0f} s, not round time: the user talks meanwhile)"
+                f"rewrites {out.get('rewrite_seconds') or 0:.0f} s of train; " + _prepared(out) + ")"
                 + (f", collect hit-rate {sum(hits) / len(hits):.2f}" if hits else ""))
             candidates.append(_candidate(cfg, out))
             say(f"  v{out['version']} at the gate: " + json.dumps(candidates[-1]))
@@ -306,6 +305,13 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
     say(f"  sessions until the preference held in 3 replies in a row: {held_at or 'not reached'} "
         f"(of {sessions}); ceiling {ceiling if ceiling_samples else 'not measured'}")
     return run_id, rows
+
+
+def _prepared(out: dict) -> str:
+    """What the flow's prepare step did after the round (not round time: the user talks meanwhile)."""
+    if out.get("prepared"):
+        return f"then the next run's rewrites prepared in {out.get('prepare_seconds') or 0:.0f} s, not round time"
+    return f"the next run's rewrites not prepared: {str(out.get('prepare_reason') or 'no reason given')[:160]}"
 
 
 def _candidate(cfg: Config, out: dict) -> dict:

@@ -149,6 +149,7 @@ def _train_line(cfg, users: list[str] | None, max_turns: int | None, reload: boo
                     "reward_mean": sum(rewards) / len(rewards), "promoted": gate.passed, "dose": gate.dose,
                     "gate": gate.reason, "mlflow_run": run_id, "reloaded": reloaded, "loss": last[-1].get("loss"),
                     "seconds": clock.seconds, "rewrite_seconds": metrics.get("rewrite_seconds"),
+                    "prepared": prepared["prepared"], "prepare_reason": prepared.get("reason"),
                     "prepare_seconds": prepared.get("seconds")},
                    progress)
 

@@ -260,7 +260,7 @@ def prepare_next_run(cfg: Config, parent: int, start: str, preferences: list[dic
     except Exception as exc:  # noqa: BLE001 - best effort: the version is already served
         why = exc.reason if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {exc}"
         get_run_logger().warning("preparing the next run failed; it will rewrite everything itself: %s", why)
-        return {"prepared": False, "reason": why}
+        return {"prepared": False, "reason": why, "seconds": round(time.monotonic() - t0, 1)}
     seconds = round(time.monotonic() - t0, 1)
     prune(rewrites)  # the files of earlier champions
     get_run_logger().info("prepared the next run's rewrites from v%d in %.0f s", parent, seconds)

@@ -118,6 +118,32 @@ def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_mod
     assert P.gain(P.answer_loglik(base, tok, PROMPTS, answers), P.answer_loglik(trained, tok, PROMPTS, answers)) > 0
 
 
+@pytest.mark.slow  # a prepare step
+def test_a_prepare_step_with_no_usable_rewrite_succeeds_and_keeps_what_it_wrote(tiny_model_dir, tmp_path):
+    """When none of the next run's prepared rewrites is usable (here no rehearsal answer can state its
+    fact) the prepare step still succeeds: the next run trains on its own corrected turns and reads
+    what was written instead of writing it again. It had failed with "nothing to train on"."""
+    from clawflow.train.rewrite_cache import RewriteCache
+
+    pfile = tmp_path / "prefs.json"
+    pfile.write_text(json.dumps([{"pref_id": "p-1", "text": "Too wordy.", "variants": ["Too wordy!"]}]))
+    qfile = tmp_path / "questions.yaml"
+    qfile.write_text(yaml.safe_dump({"questions": [{"prompt": p, "facts": ["(?!)"]}  # a fact nothing states
+                                                   for p in ("Who is that?", "Where is it?")]}))
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["home"] = str(tmp_path / "home")
+    raw["train"].update(objective="distill", rewrite_max_tokens=MAX_TOKENS, rewrite_samples=1, broad_prompts=0,
+                        rehearsal_prompts=str(qfile), rehearsal=2)
+    raw["gate"]["enabled"] = False
+    cfg_path = tmp_path / "prefs.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    cfg, cache_dir = load_config(cfg_path), tmp_path / "rewrites"
+
+    log = recipe_here.prepare(cfg_path, cfg, Path(tiny_model_dir), pfile, cache_dir, parent_version=0, broad_seed=7)
+    assert "prepared 0 usable rewrites for the next run" in log.read_text()
+    assert len(RewriteCache(cache_dir, tiny_model_dir, cfg.train).data["replies"]) == 2
+
+
 @pytest.mark.slow  # a prepare step and two training runs
 def test_the_prepare_step_writes_the_rewrites_the_next_run_reads(tiny_model_dir, tmp_path):
     """`recipe --prepare` (the flow's prepare-next-run, after a promotion) writes the next run's

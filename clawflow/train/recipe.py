@@ -95,7 +95,8 @@ class Recipe:
         """`--prepare`: the rewrites (and preference strengths) the next run from these weights will
         read, written to `--cache-dir`; no training. The flow runs it right after a promotion."""
         self.load_and_rewrite()
-        self._log(f"clawflow.train: prepared {len(self.items)} rewrites for the next run from {self.start_dir}")
+        self._log(f"clawflow.train: prepared {len(self.items)} usable rewrites for the next run from {self.start_dir}"
+                  + ("" if self.items else " (it trains on its own corrected turns alone)"))
         taught = (self.pref_report or {}).get("taught")
         if self.rank == 0 and taught and getattr(self.args, "gate_cache", None):
             self.prepare_gate(taught)
@@ -242,8 +243,9 @@ class Recipe:
             self._log(f"clawflow.train: {sum(it.index not in off for it in broad)} of {len(broad)} general prompts "
                       f"distil the standing preferences")
         self.items = [it for it in self.items if it.index not in off]
-        if not self.items:
-            raise InputError("every rewritten reply was empty: nothing to train on", code=EXIT_NO_SAMPLES)
+        if not self.items and not getattr(self.args, "prepare", False):  # prepare: kept, the next run has its own turns
+            raise InputError("no rewritten reply is usable (empty, off the request, without the key fact, or of a "
+                             "dropped preference): nothing to train on", code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
         self.total_steps = len(self.plan) * self.cfg.epochs
 
