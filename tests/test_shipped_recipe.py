@@ -313,7 +313,7 @@ def test_shipped_train_and_gate_sections_run_end_to_end(tmp_path, tiny_model_dir
     # -- after the run, the next run's rehearsal and general-prompt rewrites were prepared from the champion
     from clawflow.train.rewrite_cache import RewriteCache
 
-    assert result["prepare_seconds"] is not None, result
+    assert result["prepared"] and result["prepare_seconds"] is not None, result
     champion_dir = registry.checkpoint_dir(cfg, *registry.champion(cfg), trainer_state=True)  # as the flow reads it
     prepared = RewriteCache(cfg.home / "rewrites", champion_dir, t).data
     assert len(prepared["replies"]) >= t.broad_prompts and len(prepared["strengths"]) == 1, \
