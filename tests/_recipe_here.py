@@ -66,7 +66,10 @@ def _run(cmd: list[str], log_path: Path, cfg, what: str) -> None:
         if torch.distributed.is_initialized():  # a recipe that raised left its group
             torch.distributed.destroy_process_group()
         for k, v in saved_env.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         torch.set_num_threads(threads)
         signal.signal(signal.SIGTERM, sigterm)
     if rc != 0:

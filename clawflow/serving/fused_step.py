@@ -120,8 +120,11 @@ def _decoder(inner, last: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | 
         parts = []
         if b:
             keys, values = cache.update(k[:b, :, None], v[:b, :, None], i)  # [B, kv_heads, T, head_dim]
-            parts.append(F.scaled_dot_product_attention(q[:b, :, None], keys, values, attn_mask=keep,
-                                                        scale=attn.scaling, enable_gqa=True).reshape(b, -1))
+            # the query heads that share a KV head attend as that head's rows, so each KV head is read
+            # once, not once per query head as with enable_gqa: memory-bound at agent-length contexts
+            qg = q[:b].view(b, keys.shape[1], -1, attn.head_dim)  # [B, kv_heads, heads per KV head, head_dim]
+            parts.append(F.scaled_dot_product_attention(qg, keys, values, attn_mask=keep,
+                                                        scale=attn.scaling).reshape(b, -1))
         at = b
         for c, n, cmask in zip(chunks, sizes, chunk_masks):
             qc, kc, vc = (t[at:at + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, head_dim]
