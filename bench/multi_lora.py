@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from clawflow.base_model import base_model_dir  # noqa: E402
 from clawflow.config import load_config  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the Linears users' adapters train as shipped (configs/default.yaml `train.lora.target_modules`)
+TARGETS = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.yaml").train.lora.target_modules
 
 
 def make_adapters(base_dir: str, n: int, rank: int, out: Path) -> list[Path]:

@@ -13,7 +13,7 @@ alone, in one run, on one clawflow gateway (SmolLM2-135M, the shipped serving co
 The modes alternate (shared first in even rounds), with the same prompts drawn from one counter
 (bench/serving.py's distinct prompts: no prompt twice, so no prefix-cache favour). Reported as
 tokens/s and the ratio adapters / shared (the issue's target: >= 0.8 at 8 users). Adapters are r
---rank on all seven projections with random A and B (bench/multi_lora.py `make_adapters`).
+--rank on the projections users' adapters train as shipped, with random A and B (bench/multi_lora.py `make_adapters`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from multi_lora import make_adapters  # noqa: E402
+from multi_lora import TARGETS, make_adapters  # noqa: E402
 from serving import PROMPTS, Draw, Server, measure, model_dir, start_clawflow, stop, wait_idle  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main() -> None:
                            headers=admin, timeout=120)
             r.raise_for_status()
         print(f"SmolLM2-135M, {os.cpu_count()} cores, serving.threads {threads}, {n} users' adapters loaded "
-              f"(r {args.rank}, all 7 projections); "
+              f"(r {args.rank} on {', '.join(TARGETS)}); "
               f"{args.seconds:g} s windows, {args.rounds} rounds, max_tokens {args.max_tokens}")
         draw = Draw(len(PROMPTS))
         rows = []
