@@ -53,6 +53,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def registered_dose(tags: dict) -> float:
+    """The dose a version's checkpoint was registered at (1 when the gate picked none). Pure."""
+    return float(tags["dose"]) if tags.get("dose", "none") != "none" else 1.0
+
+
 def dosed_dir(version_dir: str, parent_dir: str, registered_dose: float, dose: float, out: Path) -> str:
     """A checkpoint directory of the candidate at `dose` (the registered one when it is that dose)."""
     from clawflow.policy.dose import write_dosed
@@ -98,10 +103,12 @@ def rows_of(cfg: Config, max_tokens: int, eval_prompts: int = 32, say=print) -> 
         tags = versions[n]["tags"]
         parent = int(tags.get("parent_version", 0))
         measured = gate_measures(tags.get("doses", ""))
-        registered_dose = float(tags["dose"]) if tags.get("dose", "none") != "none" else 1.0
-        p_hit, _ = hit(parent, 1.0, 1.0, parent)
+        written_at = registered_dose(tags)
+        # the parent as it served: its registered checkpoint, at the dose it was promoted at
+        served = registered_dose(versions[parent]["tags"]) if parent in versions else 1.0
+        p_hit, _ = hit(parent, served, served, parent)
         for dose, measure in sorted(measured.items(), reverse=True):
-            h, words = hit(n, dose, registered_dose, parent)
+            h, words = hit(n, dose, written_at, parent)
             row = {"version": n, "parent": parent, "dose": dose, "measure": measure, "hit_rate": h,
                    "parent_hit_rate": p_hit, "gain": h - p_hit, "words": words, "gate": tags.get("gate", "?")}
             say(f"v{n:<3} from v{parent:<3} dose {dose:<5g} measure {measure:+.4f}  hit-rate {h:.3f} "

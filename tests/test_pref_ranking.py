@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.pref_ranking import gate_measures, spearman
+from bench.pref_ranking import gate_measures, registered_dose, spearman
 from clawflow.policy.dose import blend, interpolate
 
 
@@ -14,6 +14,13 @@ def test_gate_measures_read_the_doses_tag():
     tag = "1: pref_gain=0.0167, help_facts_rate=0.53; 0.75: pref_gain=-2e-03, help_facts_rate=0.54"
     assert gate_measures(tag) == {1.0: 0.0167, 0.75: -0.002}
     assert gate_measures("") == {} and gate_measures("1: help_facts_rate=0.5") == {}
+
+
+def test_a_parent_is_measured_at_the_dose_it_served():
+    """A gain is over the parent as users got it: promoted at 0.75, its registered checkpoint (its
+    dose-1 rebuild once stood in for it and credited v3 of a terse run with gains it never had)."""
+    assert registered_dose({"dose": "0.75", "parent_version": "1"}) == 0.75
+    assert registered_dose({"dose": "none"}) == 1.0 and registered_dose({}) == 1.0
 
 
 @pytest.mark.parametrize("champion_has_adapter", [True, False])
