@@ -53,6 +53,21 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def within_candidates(rows: list[dict]) -> tuple[int, int]:
+    """(concordant, compared) pairs of doses of the same candidate: the measure and the hit-rate
+    order them the same way (ties in either count as not concordant). This is the gate's own use
+    of the measure, picking a candidate's dose; across candidates it is read against a threshold,
+    and from different parents the two scales differ. Pure."""
+    concordant = compared = 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if a["version"] != b["version"]:
+                continue
+            compared += 1
+            concordant += (a["measure"] - b["measure"]) * (a["hit_rate"] - b["hit_rate"]) > 0
+    return concordant, compared
+
+
 def registered_dose(tags: dict) -> float:
     """The dose a version's checkpoint was registered at (1 when the gate picked none). Pure."""
     return float(tags["dose"]) if tags.get("dose", "none") != "none" else 1.0
@@ -135,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     rho = spearman([r["measure"] for r in rows], [r["gain"] for r in rows])
     print(f"Spearman rank correlation, gate's preference measure vs hit-rate gain over the parent: "
           f"{rho:+.3f} over {len(rows)} (version, dose) pairs")
+    same, compared = within_candidates(rows)
+    print(f"doses of one candidate ordered alike by the measure and the hit-rate: {same} of {compared} pairs")
     return 0
 
 

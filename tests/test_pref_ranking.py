@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.pref_ranking import gate_measures, registered_dose, spearman
+from bench.pref_ranking import gate_measures, registered_dose, spearman, within_candidates
 from clawflow.policy.dose import blend, interpolate
 
 
@@ -43,3 +43,13 @@ def test_spearman_ranks_with_ties():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3], [0, 0, 1]) == pytest.approx(0.866, abs=1e-3)  # ties share their mean rank
     assert spearman([1, 1, 1], [1, 2, 3]) != spearman([1, 1, 1], [1, 2, 3])  # nan: no order to compare
+
+
+def test_doses_are_compared_only_within_their_candidate():
+    rows = [{"version": 2, "measure": 0.14, "hit_rate": 0.90}, {"version": 2, "measure": 0.11, "hit_rate": 0.81},
+            {"version": 3, "measure": 0.06, "hit_rate": 1.00}, {"version": 3, "measure": 0.05, "hit_rate": 0.94},
+            {"version": 3, "measure": 0.04, "hit_rate": 0.94}, {"version": 4, "measure": 0.30, "hit_rate": 0.10}]
+    # v2: 1 pair, v3: 3 pairs of which one ties on the hit-rate; v4 alone; never v2 against v3
+    assert within_candidates(rows) == (3, 4)
+    rows[1]["measure"] = 0.2  # now v2's doses disagree
+    assert within_candidates(rows) == (2, 4)
