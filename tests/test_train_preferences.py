@@ -118,6 +118,44 @@ def test_a_run_distils_standing_preferences_and_reports_their_strengths(tiny_mod
     assert P.gain(P.answer_loglik(base, tok, PROMPTS, answers), P.answer_loglik(trained, tok, PROMPTS, answers)) > 0
 
 
+@pytest.mark.slow  # a training run that ends before its first step
+def test_a_correction_its_teacher_never_shows_teaches_nothing(tiny_model_dir, tmp_path):
+    """`train.verify_stances` (shipped on). The hint-following model (tests/hint_following.py) answers
+    every prompt that carries a hint with its 7-word SHORT reply, which never ends with a question: no
+    rewrite whose teacher read "Always end your reply with a question." shows it (the corrected turn's
+    and the rehearsal questions'). None is learned: they would teach what the hint did to the teacher
+    (SHORT), not what it asks. So the run trains nothing, and its log names the stance that went
+    unshown. With the check off the same run trains on them; tests/test_shipped_recipe.py runs it on,
+    where a length correction is shown and trained."""
+    from hint_following import build
+
+    from clawflow.train.launch import EXIT_NO_SAMPLES, TrainingError
+
+    model = str(build(tiny_model_dir, tmp_path / "hint-following", steps=80))
+    batch = _one_corrected_turn(model, tmp_path, "Always end your reply with a question.")
+    qfile = tmp_path / "questions.yaml"
+    qfile.write_text(yaml.safe_dump({"questions": [{"prompt": p, "facts": [".*"]} for p in PROMPTS[:2]]}))
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "test.yaml").read_text())
+    raw["home"] = str(tmp_path / "home")
+    raw["train"].update(micro_batch=2, objective="distill", rewrite_max_tokens=MAX_TOKENS, rewrite_samples=1,
+                        broad_prompts=0, rehearsal_prompts=str(qfile), rehearsal=2)
+    for verify in (True, False):
+        raw["train"]["verify_stances"] = verify
+        cfg_path = tmp_path / f"verify-{verify}.yaml"
+        cfg_path.write_text(yaml.safe_dump(raw))
+        out = tmp_path / f"verify-{verify}-out"
+        if verify:
+            with pytest.raises(TrainingError) as failed:
+                recipe_here.train(cfg_path, load_config(cfg_path), Path(model), batch, out)
+            assert failed.value.returncode == EXIT_NO_SAMPLES, failed.value
+        else:
+            assert recipe_here.train(cfg_path, load_config(cfg_path), Path(model), batch, out)["steps"] >= 1
+        log = out.with_name(out.name + ".log").read_text()
+        # the corrected turn and the 2 rehearsal questions, each rewritten with the hint and answered SHORT
+        assert ('by stance: {"closing/question": 3}' in log) is verify, log[-2000:]
+        assert ("not showing what its teacher read): nothing to train on" in log) is verify
+
+
 @pytest.mark.slow  # a prepare step
 def test_a_prepare_step_with_no_usable_rewrite_succeeds_and_keeps_what_it_wrote(tiny_model_dir, tmp_path):
     """When none of the next run's prepared rewrites is usable (here no rehearsal answer can state its

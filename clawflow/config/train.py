@@ -62,6 +62,11 @@ class TrainConfig(_Strict):
     # γ of classifier-free guidance while rewriting: log p_hinted + γ (log p_hinted − log p_plain)
     # amplifies what the hint changes (train/rewrite.py `guided`); 0 = the hinted policy as it is.
     rewrite_guidance: float = Field(0.0, ge=0.0)
+    # A rewrite is learned only if it shows every stance of its teacher's hint that a reply can be
+    # checked against ("at most 30 words", "all lowercase", "a bullet list", "end with a question":
+    # prefs/shows.py), and best-of-N prefers candidates that do. A teacher that cannot show a
+    # preference otherwise teaches what the preference did to it instead (shorter answers, not lowercase).
+    verify_stances: bool = True
     # `own`: each rewrite reads its turn's hint; `strongest`: every rewrite (and rehearsal) reads the
     # run's hint that changes the policy's answers most ("Answer in no more than 30 words." rather
     # than "That's way too long.", which a small model ignores): train/rewrite.py `hint_strength`

@@ -87,3 +87,24 @@ def contradicts(old: Stance, new: Stance) -> bool:
 def agrees(old: Stance, new: Stance) -> bool:
     """Same axis and pole, numbers not in conflict: the two say the same thing."""
     return old.axis == new.axis and old.axis not in ("other", "wording") and not contradicts(old, new)
+
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
+def stances_in(text: str) -> list[Stance]:
+    """Every stance `text` states: each sentence, each axis it names (its first pole there), e.g.
+    "Use a bullet list, at most 60 words." -> format/bullets and length/short 60, where `stance` keeps
+    only the first. For checking a reply against a teacher's words (prefs/shows.py). Pure."""
+    out: list[Stance] = []
+    for sentence in _SENTENCE.split(text):
+        seen: set[str] = set()
+        for axis, pole, pattern in _COMPILED:
+            if axis in seen or not pattern.search(sentence):
+                continue
+            seen.add(axis)
+            number = _NUMBER.search(sentence) if axis == "length" else None
+            st = Stance(axis, pole, int(number.group(1)) if number else None)
+            if st not in out:
+                out.append(st)
+    return out

@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from clawflow.policy.loader import load_policy as load_full_policy
 from clawflow.policy.loader import tokenizer_for
 from clawflow.policy.logprobs import response_logprobs
 from clawflow.policy.packed_linear import pack_if_faster, unpack_linears
+from clawflow.prefs.shows import label, unshown
 from clawflow.train import checkpoint as ckpt
 from clawflow.train import distributed as D
 from clawflow.train import attention, optim, precision
@@ -228,24 +229,31 @@ class Recipe:
             if packed and gen is model:
                 unpack_linears(model)
             del gen
-        eos, off = eos_token_ids(model), set(self.dropped)
+        eos, off, not_shown = eos_token_ids(model), set(self.dropped), Counter()
         for it in todo:
             if it.index in off:
                 continue
             it.response, it.rollout = list(done[it.index]), [0.0] * len(done[it.index])
-            if not usable_rewrite(it, it.response, tok.decode(it.response, skip_special_tokens=True), eos):
+            text = tok.decode(it.response, skip_special_tokens=True)
+            missed = unshown(it.hint, text) if self.cfg.verify_stances else []
+            not_shown.update(label(st) for st in missed)
+            if missed or not usable_rewrite(it, it.response, text, eos):
                 off.add(it.index)
         if off:
             self._log(f"clawflow.train: {len(off)} of {len(todo)} rewrites left out (empty, off the request, "
-                      f"without the key fact, or of a dropped preference)")
+                      f"without the key fact, of a dropped preference, or not showing what their teacher read)")
+        if not_shown:
+            self._log("clawflow.train: rewrites whose teacher did not show what it read (train.verify_stances), "
+                      "by stance: " + json.dumps(dict(not_shown)))
         broad = [it for it in todo if it.broad]
         if broad:
             self._log(f"clawflow.train: {sum(it.index not in off for it in broad)} of {len(broad)} general prompts "
                       f"distil the standing preferences")
         self.items = [it for it in self.items if it.index not in off]
         if not self.items and not getattr(self.args, "prepare", False):  # prepare: kept, the next run has its own turns
-            raise InputError("no rewritten reply is usable (empty, off the request, without the key fact, or of a "
-                             "dropped preference): nothing to train on", code=EXIT_NO_SAMPLES)
+            raise InputError("no rewritten reply is usable (empty, off the request, without the key fact, of a "
+                             "dropped preference, or not showing what its teacher read): nothing to train on",
+                             code=EXIT_NO_SAMPLES)
         self.plan = plan_steps(self.items, self.cfg.step_tokens, self.cfg.seed)  # packed by the new lengths
         self.total_steps = len(self.plan) * self.cfg.epochs
 

@@ -215,8 +215,9 @@ def hint_strength(plain: list[float], hinted: list[float]) -> float:
     return sum(gaps) / len(gaps) if gaps else 0.0
 
 
-def choose(candidates: list[Candidate], usable: list[bool], select: str) -> int | None:
-    """The index of the rewrite to learn among the usable candidates, or None when none is usable.
+def choose(candidates: list[Candidate], usable: list[bool], select: str, shown: list[bool] | None = None) -> int | None:
+    """The index of the rewrite to learn among the usable candidates, or None when none is usable;
+    among those that also show what the hint asks (`shown`, prefs/shows.py) when any does.
 
     `plain`: the most likely under the plain prompt (sum of logprobs), i.e. the hinted answer the
     student finds least surprising. On SmolLM2-135M a style hint makes greedy answers lose facts the
@@ -226,6 +227,8 @@ def choose(candidates: list[Candidate], usable: list[bool], select: str) -> int 
     ok = [k for k, u in enumerate(usable) if u]
     if not ok:
         return None
+    if shown is not None:
+        ok = [k for k in ok if shown[k]] or ok
     if select == "greedy":
         return ok[0]
     score = {"plain": lambda c: c.plain, "poe": lambda c: c.plain + c.hinted}[select]

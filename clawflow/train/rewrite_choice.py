@@ -10,7 +10,7 @@ broadcasts the result):
 - `best_of_n` (`train.rewrite_samples`, `rewrite_select`, `rewrite_guidance`): per request, the
   greedy rewrite and n samples (train/rewrite.py `sample_candidates`), and the usable one the
   selection prefers (`usable_rewrite`: says something, answers the request, states a rehearsal
-  question's key fact).
+  question's key fact), among those that show what the hint asks when any does (prefs/shows.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from clawflow.config import TrainConfig
 from clawflow.helpfulness import Question, loops
 from clawflow.policy.logprobs import response_logprobs
+from clawflow.prefs.shows import unshown
 from clawflow.train.plan import Item
 from clawflow.train.rehearsal import load_rehearsal
 from clawflow.train.rewrite import addresses, adds_to, choose, eos_token_ids, generate_rewrites, hint_strength, sample_candidates
@@ -97,8 +98,10 @@ def best_of_n(model, tok, items: list[Item], cfg: TrainConfig, pad_id: int) -> t
                                      cfg.rewrite_samples, cfg.rewrite_max_tokens, cfg.rewrite_temperature, eos,
                                      pad_id, seed=cfg.seed * 100_003 + group[0].index, guidance=cfg.rewrite_guidance)
         for it, cands in zip(group, per_item):
-            ok = [usable_rewrite(it, c.tokens, tok.decode(c.tokens, skip_special_tokens=True), eos) for c in cands]
-            k = choose(cands, ok, cfg.rewrite_select)
+            texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in cands]
+            ok = [usable_rewrite(it, c.tokens, t, eos) for c, t in zip(cands, texts)]
+            shown = [not unshown(it.hint, t) for t in texts] if cfg.verify_stances else None
+            k = choose(cands, ok, cfg.rewrite_select, shown)
             usable_share.append(sum(ok) / len(ok))
             chosen[it.index] = cands[0 if k is None else k].tokens
     return chosen, sum(usable_share) / max(len(usable_share), 1)
