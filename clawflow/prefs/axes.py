@@ -54,6 +54,12 @@ _STANDING = re.compile(r"\b(always|never|from now on|in (the )?future|every time
 _NUMBER = re.compile(r"\b(\d{1,4})\b")
 
 
+def _stance(axis: str, pole: str, text: str) -> Stance:
+    """The stance, with the first number of `text` when it is about length ("30 words")."""
+    number = _NUMBER.search(text) if axis == "length" else None
+    return Stance(axis, pole, int(number.group(1)) if number else None)
+
+
 def refuse_reason(hint: object) -> str | None:
     """Why `hint` cannot be a preference at all (not text, empty, huge), or None. Pure."""
     if not isinstance(hint, str):
@@ -69,8 +75,7 @@ def stance(hint: str) -> Stance | None:
     """The standing preference `hint` states, or None for a content or vague correction. Pure."""
     for axis, pole, pattern in _COMPILED:
         if pattern.search(hint):
-            number = _NUMBER.search(hint) if axis == "length" else None
-            return Stance(axis, pole, int(number.group(1)) if number else None)
+            return _stance(axis, pole, hint)
     if _STANDING.search(hint):
         return Stance("other", "")
     return None
@@ -103,8 +108,7 @@ def stances_in(text: str) -> list[Stance]:
             if axis in seen or not pattern.search(sentence):
                 continue
             seen.add(axis)
-            number = _NUMBER.search(sentence) if axis == "length" else None
-            st = Stance(axis, pole, int(number.group(1)) if number else None)
+            st = _stance(axis, pole, sentence)
             if st not in out:
                 out.append(st)
     return out
