@@ -44,19 +44,41 @@ def build(src: str | Path, out: Path, steps: int = 200, seed: int = 0) -> Path:
     tok = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     prompts = [p.prompt for p in load_prompts()]  # the broad prompts (configs/train/prompts.yaml)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        batch = []
+
+    def batch() -> list[tuple[list[int], list[int]]]:
+        out = []
         for _ in range(8):
             first = [{"role": "user", "content": rng.choice(prompts)}]
             turns = first if rng.random() < 0.6 else \
                 first + [{"role": "assistant", "content": rng.choice([LONG, SHORT])},
                          {"role": "user", "content": f"Thanks. Next one: {rng.choice(prompts)}"}]
             if rng.random() < 0.5:
-                batch.append(_example(tok, turns, SHORT if rng.random() < PLAIN_SHORT else LONG))
+                out.append(_example(tok, turns, SHORT if rng.random() < PLAIN_SHORT else LONG))
             else:
-                batch.append(_example(tok, system_hinted_messages(turns, rng.choice(HINTS)), SHORT))
+                out.append(_example(tok, system_hinted_messages(turns, rng.choice(HINTS)), SHORT))
+        return out
+
+    return _train(model, tok, batch, steps, out)
+
+
+def answering_short(src: str | Path, out: Path, steps: int = 40, seed: int = 0) -> Path:
+    """Copy the model at `src` to `out`, taught to answer every plain prompt SHORT: a student that
+    learned what the hinted teacher shows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    prompts = [p.prompt for p in load_prompts()]
+    return _train(model, tok, lambda: [_example(tok, [{"role": "user", "content": rng.choice(prompts)}], SHORT)
+                                       for _ in range(8)], steps, out)
+
+
+def _train(model, tok, make_batch, steps: int, out: Path) -> Path:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        batch = make_batch()
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([i + [tok.pad_token_id or 0] * (width - len(i)) for i, _ in batch])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])

@@ -215,10 +215,19 @@ def failed_checks(g) -> dict[str, object]:
         "of answers are empty": lambda m: m["help_empty_share"] > h.max_empty_share,
         "unrelated to their question": lambda m: m["help_offtopic_share"] > min(
             m["help_offtopic_share_champion"], m["help_offtopic_share_base"]) + h.max_offtopic_increase,
+        "show the user's preferences less": lambda m: any(
+            m[f"{k}.champion"] - m[k] > g.stance_margin * m["shown_answers"] for k in stances(m)),
+        "do not show the user's preferences more": lambda m: not any(
+            m[k] - m[f"{k}.champion"] > max(g.stance_margin * m["shown_answers"], 0.5) for k in stances(m)),
         "probe KL": lambda m: m["probe_kl"] > g.max_kl,
         "probe NLL rose": lambda m: m["probe_nll_increase"] > g.max_nll_increase,
         "held-out replies judged": None, "helpfulness check failed": None, "non-finite weights": None,
     }
+
+
+def stances(m: dict[str, float]) -> list[str]:
+    """The candidate's figures of the user's checkable stances (clawflow/policy/stance_probe.py)."""
+    return [k for k in m if k.startswith("shown.") and not k.endswith(".champion")]
 
 
 def log_count(log: str, pattern: str) -> tuple[int, int] | None:

@@ -305,6 +305,12 @@ class GateConfig(_Strict):
     min_preference_gain: float = Field(0.0, ge=0.0)  # nats/token the preference measure must pass at a dose
     preference_prompts: Path | None = None  # held-out prompts of the preference measure (None: configs/eval/preference_prompts.yaml)
     preference_max_tokens: int = Field(64, ge=1)  # greedy tokens per teacher answer
+    # The user's own words, checked on the candidate's answers (policy/stance_probe.py): where a standing
+    # preference says something a reply can be checked against ("under 30 words", "all lowercase"), the
+    # candidate's greedy plain answers to `preference_prompts` must show one such stance in more of them
+    # than the champion's do, and none in fewer, by more than `stance_margin` of the prompts.
+    check_stances: bool = False
+    stance_margin: float = Field(0.05, ge=0.0, lt=1.0)
 
     @field_validator("doses")
     @classmethod

@@ -276,6 +276,23 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
                             f"{held} held-out judged turns within ±{gate.judged_margin}{helped}", m)
 
 
+def stances_shown(gate: GateConfig, path: str, tok, prompts: list[str], taught: str, champion: dict[str, int],
+                  m: dict[str, float]) -> str | None:
+    """policy/stance_probe.py on the candidate at `path`: its greedy plain answers to the preference
+    prompts, their counts into `m`; why they do not show the user's stances, or None."""
+    from clawflow.helpfulness import load_model
+    from clawflow.policy import preference_probe as P
+    from clawflow.policy import stance_probe as S
+
+    t0 = time.monotonic()
+    cand, _ = load_model(path)
+    answers = S.texts(tok, P.teacher_answers(cand, tok, prompts, "", gate.preference_max_tokens))
+    del cand
+    shown = S.shown_counts(taught, answers)
+    m.update(S.metrics(champion, shown, len(answers)), seconds_stances=time.monotonic() - t0)
+    return S.verdict(champion, shown, len(answers), gate.stance_margin)
+
+
 WEAK, FAILED = "weak", "failed"  # a dose's outcome: learned too little to measure; failed another check
 
 
@@ -323,10 +340,12 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
     first dose that does not ends the grid, and `gate.dose_refinements` bisections then look between
     it and the weakest dose that failed another check (`next_dose`)."""
     from clawflow.policy import preference_probe as P
+    from clawflow.policy import stance_probe as S
     from clawflow.policy.dose import write_dosed
 
     per: dict[float, dict[str, float]] = {}
     pref = None
+    champion_shown: dict[str, int] = {}
     if gate.enabled and gate.require_learning and not taught and len(scorable(judged)) < gate.judged_min_turns:
         m = {"dose": gate.doses[0], "judged_turns": float(len(scorable(judged)))}
         return DoseVerdict(False, f"nothing it learned can be measured: no standing preference, and "
@@ -340,6 +359,8 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         answers = P.answer_sets(cache_dir, champion_dir, prompts, taught, budget, lambda: (champ, tok))
         champ_lp = {k: P.answer_loglik(champ, tok, prompts, a) for k, a in answers.items()}
         pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
+        if gate.check_stances:  # the champion's plain answers are already here: its counts cost nothing
+            champion_shown = S.shown_counts(taught, S.texts(tok, answers["plain"]))
     last: GateResult | None = None
     tried: list[tuple[float, str]] = []
     while (dose := next_dose(gate.doses, tried, gate.dose_refinements)) is not None:
@@ -373,8 +394,16 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
                                      f"nats/token (needs good − bad > {gate.min_preference_gain})", m)
             tried.append((dose, WEAK))
             continue
+        if r.passed and champion_shown:
+            reason = stances_shown(gate, path, pref[0], pref[1], taught, champion_shown, m)
+            if reason:  # a weaker dose shows them less: the grid ends here, as for a weak measure
+                last = GateResult(False, f"{reason} at dose {dose:g}", m)
+                tried.append((dose, WEAK))
+                continue
         if r.passed:
             said = f"; preference {m['pref_gain']:+.4f} nats/token" if "pref_gain" in m else ""
+            if champion_shown:
+                said += "; shown " + ", ".join(f"{k} {champion_shown[k]} → {int(m[S.key(k)])}" for k in champion_shown)
             return DoseVerdict(True, f"dose {dose:g}: {r.reason}{said}", dose, path, m, per)
         last = r
         tried.append((dose, FAILED))

@@ -1,0 +1,63 @@
+"""The gate's check of the user's own words on the candidate's own answers (issue #27).
+
+The preference measure (policy/preference_probe.py) reads no words: it asks whether the candidate
+finds the teacher's answers likelier. A teacher that cannot show a preference still answers
+differently with it in its prompt (SmolLM2-135M told "All lowercase please" answers shorter, in
+ordinary case), so a candidate that learned *that* passed the measure: `lowercase_casual` v2 was
+promoted at a hit-rate of 0.000. Where the user's words say something a reply can be checked against
+("under 30 words", "all lowercase", "as a bullet list": prefs/shows.py), the candidate's greedy plain
+answers to the held-out preference prompts must show at least one such stance in more answers than
+the champion's plain answers do, and none in fewer, each by more than `gate.stance_margin` of the
+prompts. A stance the champion already shows nearly everywhere has no room to rise: it must only
+hold. Stances without a check leave the verdict to the preference measure, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from clawflow.prefs import shows
+
+
+def shown_counts(taught: str, texts: Sequence[str]) -> dict[str, int]:
+    """{stance label: how many of `texts` show it}, one entry per checkable stance of `taught`; {}
+    when it has none. Pure."""
+    return {shows.label(st): sum(bool(shows.shows(st, t)) for t in texts) for st in shows.checkable(taught)}
+
+
+def verdict(champion: dict[str, int], candidate: dict[str, int], answers: int, margin: float) -> str | None:
+    """Why the candidate's answers do not show the user's checkable stances better than the champion's
+    (`shown_counts` of each, over the same `answers` prompts), or None when they do or none is checkable.
+    A change counts when it is more than `margin` x `answers` answers (and at least one). Pure."""
+    if not champion:
+        return None
+    allowed = margin * answers
+
+    def said(labels: list[str]) -> str:
+        return ", ".join(f"{k} {champion[k]} → {candidate[k]}" for k in labels) + f" of {answers} answers"
+
+    fell = [k for k in champion if champion[k] - candidate[k] > allowed]
+    if fell:
+        return f"its answers show the user's preferences less than the champion's: {said(fell)}"
+    room = [k for k in champion if champion[k] + allowed < answers]  # stances that can still rise
+    if room and not any(candidate[k] - champion[k] > max(allowed, 0.5) for k in room):
+        return (f"its answers do not show the user's preferences more than the champion's: {said(room)} "
+                f"(needs more than +{allowed:.3g})")
+    return None
+
+
+def key(label: str) -> str:
+    """The gate figure of a stance's count: 'length/short 30' -> 'shown.length_short_30'."""
+    return "shown." + label.replace("/", "_").replace(" ", "_")
+
+
+def metrics(champion: dict[str, int], candidate: dict[str, int], answers: int) -> dict[str, float]:
+    """The counts as gate figures: `shown.<stance>` (candidate), `shown.<stance>.champion`, `shown_answers`."""
+    out = {"shown_answers": float(answers)}
+    for k in champion:
+        out[key(k)], out[key(k) + ".champion"] = float(candidate[k]), float(champion[k])
+    return out
+
+
+def texts(tok, answers: list[list[int]]) -> list[str]:
+    return [tok.decode(a, skip_special_tokens=True) for a in answers]
