@@ -291,7 +291,10 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
                 continue
             done = json.loads((cfg.home / "checkpoints" / out["mlflow_run"] / "train_metrics.json").read_text())
             steps += int(done["steps"])
-            say(f"  round {k + 1}: v{out['version']} from {out['samples']} samples, {done['steps']} steps, "
+            served = served_after(out)
+            say(f"  round {k + 1}: v{out['version']} served {served:.0f} s after the round's last turn"
+                f"{'' if out['promoted'] else ' (rejected: the champion stays)'}; from {out['samples']} samples, "
+                f"{done['steps']} steps, "
                 f"reward mean {out['reward_mean']:+.3f}, gate: {out['gate'][:160]}, promoted={out['promoted']}; "
                 f"collect {t_collect:.0f} s, flow {time.monotonic() - t_round - t_collect:.0f} s "
                 f"({', '.join(f'{p} {s:.0f} s' for p, s in out.get('seconds', {}).items())}; "
@@ -305,6 +308,12 @@ def run(cfg: Config, rounds: int, episodes: int, max_tokens: int, target: float,
     say(f"  sessions until the preference held in 3 replies in a row: {held_at or 'not reached'} "
         f"(of {sessions}); ceiling {ceiling if ceiling_samples else 'not measured'}")
     return run_id, rows
+
+
+def served_after(out: dict) -> float:
+    """Seconds from the round's last turn to the verdict served (issue #27's round time): the flow's
+    steps up to the reload (`seconds`), not the prepare step that follows it while users talk. Pure."""
+    return sum((out.get("seconds") or {}).values())
 
 
 def _prepared(out: dict) -> str:

@@ -9,7 +9,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from bench.learning import overrides, run, summary
+from bench.learning import overrides, run, served_after, summary
 
 
 def test_set_overrides_nest_and_reject_malformed_pairs():
@@ -18,6 +18,13 @@ def test_set_overrides_nest_and_reject_malformed_pairs():
     for bad in ("train.lr", "=3", "train.=1"):
         with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
             overrides([bad])
+
+
+def test_a_round_is_served_when_the_flow_reloads_not_when_it_has_prepared_the_next():
+    out = {"seconds": {"collect": 0.4, "judge": 1.0, "train": 227.0, "gate": 134.0, "reload": 0.2},
+           "prepare_seconds": 183.0}
+    assert served_after(out) == pytest.approx(362.6)
+    assert served_after({"trained": False}) == 0.0
 
 
 @pytest.mark.slow  # ~3 min on 2 cores: the teacher taught (30 s), three rounds of the shipped recipe
