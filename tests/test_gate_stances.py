@@ -17,7 +17,8 @@ SHIPPED = load_config(REPO_ROOT / "configs" / "default.yaml").gate
 def test_counts_are_per_checkable_stance_of_the_taught_text():
     taught = "Please keep replies under 30 words.\nAll lowercase please. Be more casual."
     texts = ["short and lower", "Short But Capitalised", " ".join(["word"] * 31), ""]
-    assert S.shown_counts(taught, texts) == {"length/short 30": 2, "case/lower": 2}
+    assert S.shown_counts(taught, texts) == {"length/short 30": 2, "case/lower": 2, S.EVERY: 1}
+    assert S.shown_counts("Keep it under 30 words.", texts) == {"length/short 30": 2}
     assert S.shown_counts("Be more casual.", texts) == {}  # nothing checkable: the check says nothing
 
 
@@ -27,10 +28,13 @@ def test_a_candidate_must_show_an_open_stance_more_and_none_less():
     assert S.verdict({"case/lower": 1}, {"case/lower": 4}, n, margin) is None  # +3 > 2
     why = S.verdict({"case/lower": 1}, {"case/lower": 3}, n, margin)  # +2: noise, not learning
     assert why and "do not show the user's preferences more" in why and "case/lower 1 → 3 of 40" in why
-    # one stance rising is enough; none may fall
-    assert S.verdict({"length/short 30": 5, "case/lower": 0}, {"length/short 30": 30, "case/lower": 0}, n, margin) is None
-    why = S.verdict({"length/short 30": 5, "closing/question": 20}, {"length/short 30": 30, "closing/question": 12},
-                    n, margin)
+    # with two stances, the answers showing both at once must rise (what the recipe teaches); none may fall
+    both = {"length/short 50": 5, "closing/question": 0, S.EVERY: 0}
+    why = S.verdict(both, {"length/short 50": 30, "closing/question": 0, S.EVERY: 0}, n, margin)
+    assert why and "do not show the user's preferences more" in why and "all at once" in why
+    assert S.verdict(both, {"length/short 50": 30, "closing/question": 6, S.EVERY: 6}, n, margin) is None
+    why = S.verdict({"length/short 30": 5, "closing/question": 20, S.EVERY: 2},
+                    {"length/short 30": 30, "closing/question": 12, S.EVERY: 10}, n, margin)
     assert why and "less than the champion's" in why and "closing/question 20 → 12" in why
     # a stance the champion shows nearly everywhere has no room to rise: holding it is enough
     assert S.verdict({"excitement/calm": 39}, {"excitement/calm": 38}, n, margin) is None
@@ -43,7 +47,7 @@ def test_a_candidate_must_show_an_open_stance_more_and_none_less():
 def test_the_counts_are_gate_figures():
     m = S.metrics({"length/short 30": 5}, {"length/short 30": 30}, 40)
     assert m == {"shown_answers": 40.0, "shown.length_short_30": 30.0, "shown.length_short_30.champion": 5.0}
-    assert S.key("length/short 30") == "shown.length_short_30"
+    assert S.key("length/short 30") == "shown.length_short_30" and S.key(S.EVERY) == "shown.every_stance"
 
 
 def test_the_shipped_gate_checks_stances():

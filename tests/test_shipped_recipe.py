@@ -217,8 +217,7 @@ def failed_checks(g) -> dict[str, object]:
             m["help_offtopic_share_champion"], m["help_offtopic_share_base"]) + h.max_offtopic_increase,
         "show the user's preferences less": lambda m: any(
             m[f"{k}.champion"] - m[k] > g.stance_margin * m["shown_answers"] for k in stances(m)),
-        "do not show the user's preferences more": lambda m: not any(
-            m[k] - m[f"{k}.champion"] > max(g.stance_margin * m["shown_answers"], 0.5) for k in stances(m)),
+        "do not show the user's preferences more": lambda m: not joint_rose(m, g.stance_margin),
         "probe KL": lambda m: m["probe_kl"] > g.max_kl,
         "probe NLL rose": lambda m: m["probe_nll_increase"] > g.max_nll_increase,
         "held-out replies judged": None, "helpfulness check failed": None, "non-finite weights": None,
@@ -228,6 +227,12 @@ def failed_checks(g) -> dict[str, object]:
 def stances(m: dict[str, float]) -> list[str]:
     """The candidate's figures of the user's checkable stances (clawflow/policy/stance_probe.py)."""
     return [k for k in m if k.startswith("shown.") and not k.endswith(".champion")]
+
+
+def joint_rose(m: dict[str, float], margin: float) -> bool:
+    """Did the answers showing every checkable stance at once (or the one) rise past the margin?"""
+    k = "shown.every_stance" if "shown.every_stance" in m else stances(m)[0]
+    return m[k] - m[f"{k}.champion"] > max(margin * m["shown_answers"], 0.5)
 
 
 def log_count(log: str, pattern: str) -> tuple[int, int] | None:

@@ -6,10 +6,11 @@ differently with it in its prompt (SmolLM2-135M told "All lowercase please" answ
 ordinary case), so a candidate that learned *that* passed the measure: `lowercase_casual` v2 was
 promoted at a hit-rate of 0.000. Where the user's words say something a reply can be checked against
 ("under 30 words", "all lowercase", "as a bullet list": prefs/shows.py), the candidate's greedy plain
-answers to the held-out preference prompts must show at least one such stance in more answers than
-the champion's plain answers do, and none in fewer, each by more than `gate.stance_margin` of the
-prompts. A stance the champion already shows nearly everywhere has no room to rise: it must only
-hold. Stances without a check leave the verdict to the preference measure, as before.
+answers to the held-out preference prompts must show all of them at once in more answers than the
+champion's plain answers do, and none in fewer, each by more than `gate.stance_margin` of the
+prompts: the recipe learns only rewrites that show every checkable stance the teacher read
+(`train.verify_stances`), and the gate promotes only what it set out to teach. A count the champion
+already reaches nearly everywhere has no room to rise: it must only hold. Stances without a check leave the verdict to the preference measure, as before.
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ from collections.abc import Sequence
 from clawflow.prefs import shows
 
 
+EVERY = "every stance"  # the answers showing all of them at once, when there are two or more
+
+
 def shown_counts(taught: str, texts: Sequence[str]) -> dict[str, int]:
-    """{stance label: how many of `texts` show it}, one entry per checkable stance of `taught`; {}
-    when it has none. Pure."""
-    return {shows.label(st): sum(bool(shows.shows(st, t)) for t in texts) for st in shows.checkable(taught)}
+    """{stance label: how many of `texts` show it}, one entry per checkable stance of `taught`, and
+    `EVERY` with two or more; {} when it has none. Pure."""
+    stances = shows.checkable(taught)
+    out = {shows.label(st): sum(bool(shows.shows(st, t)) for t in texts) for st in stances}
+    if len(out) > 1:
+        out[EVERY] = sum(all(shows.shows(st, t) for st in stances) for t in texts)
+    return out
 
 
 def verdict(champion: dict[str, int], candidate: dict[str, int], answers: int, margin: float) -> str | None:
@@ -39,10 +47,11 @@ def verdict(champion: dict[str, int], candidate: dict[str, int], answers: int, m
     fell = [k for k in champion if champion[k] - candidate[k] > allowed]
     if fell:
         return f"its answers show the user's preferences less than the champion's: {said(fell)}"
-    room = [k for k in champion if champion[k] + allowed < answers]  # stances that can still rise
-    if room and not any(candidate[k] - champion[k] > max(allowed, 0.5) for k in room):
-        return (f"its answers do not show the user's preferences more than the champion's: {said(room)} "
-                f"(needs more than +{allowed:.3g})")
+    joint = EVERY if EVERY in champion else next(iter(champion))
+    room = champion[joint] + allowed < answers
+    if room and not candidate[joint] - champion[joint] > max(allowed, 0.5):
+        return (f"its answers do not show the user's preferences more than the champion's: {said(list(champion))} "
+                f"(needs more than +{allowed:.3g}{' answers showing all at once' if joint == EVERY else ''})")
     return None
 
 
