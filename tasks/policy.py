@@ -18,7 +18,9 @@ from clawflow.store.catalog import Catalog
 
 
 def helpfulness_cache(cfg: Config):
-    return Home(cfg.home).eval / "helpfulness"
+    from clawflow.policy.warm import gate_cache
+
+    return gate_cache(cfg)
 
 
 @task(name="held-out-probes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

@@ -311,6 +311,9 @@ class GateConfig(_Strict):
     # than the champion's do, and none in fewer, by more than `stance_margin` of the prompts.
     check_stances: bool = False
     stance_margin: float = Field(0.05, ge=0.0, lt=1.0)
+    # the base's helpfulness figures and plain preference answers, measured by a niced process when the
+    # gateway starts (policy/warm.py), so the first round's gate does not (~35 s on 2 cores)
+    warm_on_start: bool = False
 
     @field_validator("doses")
     @classmethod

@@ -121,7 +121,10 @@ def _resolve_local(cfg: Config, ref: int | str) -> tuple[int, str]:
 def serve(cfg: Config, host: str | None = None, port: int | None = None) -> None:
     import uvicorn
 
+    from clawflow.policy import warm
+
     app = build_app(cfg)
+    warm.start(cfg)  # the gate's references of the base, measured while the gateway serves
     run_dir = Home(cfg.home).run
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "gateway.pid").write_text(str(os.getpid()))  # `clawflow down` stops it with SIGTERM
