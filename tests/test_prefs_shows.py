@@ -46,3 +46,22 @@ def test_best_of_n_prefers_the_candidates_that_show_the_hint():
     assert choose(cands, [True, True, True], "plain", shown=[False, True, True]) == 2  # likeliest that shows it
     assert choose(cands, [True, False, True], "plain", shown=[False, True, False]) == 0  # none usable shows it
     assert choose(cands, [False, False, False], "plain", shown=[True, True, True]) is None
+
+
+def test_a_prefix_that_fails_a_stance_for_good_is_told_apart_from_one_that_may_still_show_it():
+    """`cannot_show`: sampling stops a rewrite candidate once no continuation can show its teacher's stances."""
+    from clawflow.prefs.shows import cannot_show
+
+    def fails(hint: str, prefix: str) -> bool:
+        return cannot_show(checkable(hint), prefix)
+
+    assert fails("Please keep replies under 5 words.", "one two three four five six")
+    assert not fails("Please keep replies under 5 words.", "one two three")
+    assert fails("all lowercase please, no capitals.", "sure, Here")
+    assert not fails("all lowercase please, no capitals.", "sure, here")
+    assert fails("Don't use exclamation marks.", "Great!") and not fails("Don't use exclamation marks.", "Great.")
+    # a list, a closing question or a minimum length may still come: never stopped
+    for hint in ("Please answer as a bullet list.", "Always end your reply with a question for me.",
+                 "Please write at least 50 words."):
+        assert checkable(hint) and not fails(hint, "Plain words, no list, no question yet.")
+    assert not fails("Be more casual.", "Anything At All!")  # nothing checkable

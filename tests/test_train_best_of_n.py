@@ -61,6 +61,33 @@ def test_candidates_are_the_greedy_reply_and_samples_scored_under_both_prompts(t
     assert [[c.tokens for c in cs] for cs in again] == [[c.tokens for c in cs] for cs in per_prompt]  # seeded
 
 
+def test_a_stopped_candidate_ends_where_it_stopped_and_the_others_come_out_as_without_it(tiny):
+    """`stop` (a candidate that can no longer show what its teacher read) ends its row at the check
+    after it says so, without EOS and scored on what it wrote; every other row, and the other prompt's,
+    is the candidate a run without it samples."""
+    from clawflow.train.rewrite import STOP_EVERY
+
+    model, tok, hinted, plain = tiny
+    other = [{"role": "user", "content": "Describe the ocean at night, please, in some detail."}]
+    prompts = [(hinted, plain), (teacher_prompt_ids(tok, other, "Shorter.", in_system=True), encode(tok, other))]
+    args = ([h for h, _ in prompts], [p for _, p in prompts], 3, 2 * STOP_EVERY + 4, 1.0, {tok.eos_token_id}, 0)
+    free = sample_candidates(model, *args, seed=7)
+    asked: list[tuple[int, int]] = []
+
+    def stop(i: int, toks: list[int]) -> bool:  # prompt 0's candidates once they have STOP_EVERY tokens
+        asked.append((i, len(toks)))
+        return i == 0
+
+    stopped = sample_candidates(model, *args, seed=7, stop=stop)
+    assert {n for _, n in asked} <= {STOP_EVERY, 2 * STOP_EVERY} and {i for i, _ in asked} == {0, 1}
+    for free_c, cut_c in zip(free[0], stopped[0]):
+        assert cut_c.tokens == free_c.tokens[:STOP_EVERY] and len(cut_c.tokens) == STOP_EVERY
+        assert cut_c.hinted == pytest.approx(summed_logprob(model, hinted, cut_c.tokens), abs=2e-3)
+        assert cut_c.plain == pytest.approx(summed_logprob(model, plain, cut_c.tokens), abs=2e-3)
+    assert [c.tokens for c in stopped[1]] == [c.tokens for c in free[1]]
+    assert [c.plain for c in stopped[1]] == pytest.approx([c.plain for c in free[1]], abs=2e-3)
+
+
 def guided_greedy_reference(model, hinted: list[int], plain: list[int], gamma: float, eos: set[int]) -> list[int]:
     """Token by token without a cache: argmax of (1 + γ) log p(·|hinted) − γ log p(·|plain)."""
     out: list[int] = []

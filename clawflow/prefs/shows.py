@@ -40,6 +40,12 @@ CHECKS = {
 }
 
 
+# Stances a reply cannot show once a part of it fails them: too many words, a capital, a "!", a
+# contraction, a list line stay in every longer text. (A list, a closing question or a minimum length
+# may still come.) Sampling stops such a candidate there (train/rewrite.py `sample_candidates`).
+FOR_GOOD = {("length", "short"), ("case", "lower"), ("excitement", "calm"), ("tone", "formal"), ("format", "prose")}
+
+
 def has_check(st: Stance) -> bool:
     return (st.axis, st.pole) in CHECKS and (st.axis != "length" or st.number is not None)
 
@@ -60,6 +66,12 @@ def checkable(hint: str) -> list[Stance]:
 def unshown(hint: str, text: str) -> list[Stance]:
     """The checkable stances of `hint` that `text` does not show (none: it shows them all, or has none)."""
     return [st for st in checkable(hint) if not shows(st, text)]
+
+
+def cannot_show(stances: list[Stance], prefix: str) -> bool:
+    """Whether a reply that starts with `prefix` fails one of `stances` whatever follows (`FOR_GOOD`).
+    `stances` as `checkable` gives them. Pure."""
+    return any((st.axis, st.pole) in FOR_GOOD and not CHECKS[st.axis, st.pole](prefix, st) for st in stances)
 
 
 def label(st: Stance) -> str:

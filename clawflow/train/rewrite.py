@@ -131,9 +131,12 @@ def guided(logp_hinted: torch.Tensor, logp_plain: torch.Tensor, guidance: float)
     return logp_hinted + guidance * (logp_hinted - logp_plain) if guidance else logp_hinted
 
 
+STOP_EVERY = 8  # decode steps between `stop` checks (a decode per unfinished row each time)
+
+
 def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: list[list[int]], n: int,
                       max_new_tokens: int, temperature: float, eos_ids: set[int], pad_id: int,
-                      seed: int, guidance: float = 0.0) -> list[list[Candidate]]:
+                      seed: int, guidance: float = 0.0, stop=None) -> list[list[Candidate]]:
     """Per prompt, the greedy reply and `n` sampled ones to its hinted prompt, each scored under both
     its hinted and its plain prompt. With `guidance` γ > 0 the tokens are chosen by `guided` scores:
     the plain prompt is decoded in lockstep (two forwards per step), which also scores the replies.
@@ -141,7 +144,10 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
     Each prompt is prefilled once and its KV cache repeated for its 1 + n rows, so a long agent
     prompt (OpenClaw sends ~8k tokens) costs one prefill, not 1 + n; prompts are batched with left
     padding. Finished rows decode padding until every row is done. Logprobs are at temperature 1:
-    what the model assigns, not what the sampler did. Seeded: the same call gives the same candidates."""
+    what the model assigns, not what the sampler did. Seeded: the same call gives the same candidates.
+    `stop(prompt_index, tokens)`, checked every `STOP_EVERY` steps (not with guidance): true ends that
+    row there, without EOS (a candidate that can no longer show what its teacher read is left out
+    anyway, and a batch decodes until its last row ends); the other rows come out as without it."""
     import torch.nn.functional as F
 
     device = next(model.parameters()).device
@@ -163,6 +169,7 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
         tokens = torch.empty(k * rows, 0, dtype=torch.long, device=device)
         hinted = torch.zeros(k * rows, device=device)
         done = torch.zeros(k * rows, dtype=torch.bool, device=device)
+        cut: dict[int, int] = {}  # row -> its length where `stop` ended it
         for _ in range(max_new_tokens):
             logp = F.log_softmax(logits, -1)
             sampled = sample_rows(logits, temperature, gen) if n else logp.argmax(-1)
@@ -171,13 +178,16 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
             hinted += torch.where(done, 0.0, logp.gather(-1, nxt[:, None])[:, 0])
             tokens = torch.cat([tokens, nxt[:, None]], 1)
             done |= torch.isin(nxt, eos)
+            if stop is not None and tokens.shape[1] % STOP_EVERY == 0:
+                for r in stopped(stop, tokens, done, rows):
+                    cut[r], done[r] = tokens.shape[1], True
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache,
                            use_cache=True).logits[:, -1].float()
             pos = pos + 1
-        replies = [cut_at_eos(r, eos_ids) for r in tokens.tolist()]
+        replies = [cut_at_eos(r[: cut.get(j, len(r))], eos_ids) for j, r in enumerate(tokens.tolist())]
         # The same replies after the plain prompts: one forward over every candidate, right-padded.
         last, cache, mask, pos = _prefill(model, plain_prompts, rows, pad_id, device)
         width = max(len(r) for r in replies)
@@ -193,6 +203,11 @@ def sample_candidates(model, teacher_prompts: list[list[int]], plain_prompts: li
         model.train()
     cands = [Candidate(r, float(h), float(p)) for r, h, p in zip(replies, hinted.tolist(), plain.tolist())]
     return [cands[i * rows : (i + 1) * rows] for i in range(k)]
+
+
+def stopped(stop, tokens: torch.Tensor, done: torch.Tensor, rows: int) -> list[int]:
+    """The unfinished rows `stop` ends now (row r is a candidate of prompt r // rows)."""
+    return [r for r in (~done).nonzero()[:, 0].tolist() if stop(r // rows, tokens[r].tolist())]
 
 
 def sample_rows(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> torch.Tensor:

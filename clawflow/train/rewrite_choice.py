@@ -20,7 +20,7 @@ import torch
 from clawflow.config import TrainConfig
 from clawflow.helpfulness import Question, loops
 from clawflow.policy.logprobs import response_logprobs
-from clawflow.prefs.shows import unshown
+from clawflow.prefs.shows import cannot_show, checkable, unshown
 from clawflow.train.plan import Item
 from clawflow.train.rehearsal import load_rehearsal
 from clawflow.train.rewrite import addresses, adds_to, choose, eos_token_ids, generate_rewrites, hint_strength, sample_candidates
@@ -94,9 +94,15 @@ def best_of_n(model, tok, items: list[Item], cfg: TrainConfig, pad_id: int) -> t
     ordered = sorted(items, key=lambda it: len(it.teacher_prompt))  # similar lengths pad less
     for g in range(0, len(ordered), REWRITE_GROUP):
         group = ordered[g : g + REWRITE_GROUP]
+        stances = [checkable(it.hint) for it in group]
+        # with `verify_stances` a candidate that can no longer show what its teacher read is left out:
+        # stop writing it (a 30-word limit ends every row by ~30 words instead of rewrite_max_tokens)
+        stop = (lambda i, toks: cannot_show(stances[i], tok.decode(toks, skip_special_tokens=True))) \
+            if cfg.verify_stances and any(stances) else None
         per_item = sample_candidates(model, [it.teacher_prompt for it in group], [it.prompt for it in group],
                                      cfg.rewrite_samples, cfg.rewrite_max_tokens, cfg.rewrite_temperature, eos,
-                                     pad_id, seed=cfg.seed * 100_003 + group[0].index, guidance=cfg.rewrite_guidance)
+                                     pad_id, seed=cfg.seed * 100_003 + group[0].index, guidance=cfg.rewrite_guidance,
+                                     stop=stop)
         for it, cands in zip(group, per_item):
             texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in cands]
             ok = [usable_rewrite(it, c.tokens, t, eos) for c, t in zip(cands, texts)]
