@@ -5,9 +5,10 @@ version's checkpoint, its parent as served (the base for a version trained from 
 preferences its teacher read (`preferences.json` beside the weights), and runs
 `clawflow/policy/gate.py` `evaluate_doses` with configs/default.yaml's `gate` section as it ships
 now. Held-out judged turns are not replayed (with standing preferences the preference measure and
-the stance check decide what was learned). Prints the verdict then and now.
+the stance check decide what was learned). Prints the verdict then and now. `--skip-helpfulness`
+leaves out the facts check, which the version passed or failed when it was gated (minutes on 2 cores).
 
-    PYTHONPATH=. .venv/bin/python bench/gate_replay.py /tmp/clawflow-learning-lowercase_casual-XXXX/lowercase_casual 2
+    PYTHONPATH=. .venv/bin/python bench/gate_replay.py /tmp/clawflow-learning-lowercase_casual-XXXX/lowercase_casual 2 --skip-helpfulness
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("home", type=Path, help="a learning bench's home (holds bench-config.yaml)")
     parser.add_argument("versions", type=int, nargs="+")
+    parser.add_argument("--skip-helpfulness", action="store_true",
+                        help="leave out the facts check (measured when the version was gated; the slowest part)")
     args = parser.parse_args(argv)
     os.environ["CLAWFLOW_HOME"] = str(args.home)
     from mlflow import MlflowClient
@@ -35,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.home / "bench-config.yaml")
     gate = load_config(REPO_ROOT / "configs" / "default.yaml").gate
+    if args.skip_helpfulness:
+        gate = gate.model_copy(update={"helpfulness": gate.helpfulness.model_copy(update={"enabled": False})})
     client = MlflowClient(tracking_uri=cfg.tracking_uri)
     base = str(base_model_dir(cfg))
     for v in args.versions:
