@@ -78,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
+    import torch
+
     os.nice(10)  # the gateway answers users meanwhile
+    # one thread: with torch's default two on 2 cores beside a busy trainer or gateway, its threads
+    # waited on each other and 35 s of work took 7 CPU-minutes (measured, a learning bench's round 1)
+    torch.set_num_threads(1)
     cfg = load_config(args.config)
     seconds = warm_base(cfg, str(base_model_dir(cfg)))
     print("clawflow.policy.warm: the base's gate references ready: "
