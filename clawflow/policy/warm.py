@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     os.nice(10)  # the gateway answers users meanwhile
-    # one thread: with torch's default two on 2 cores beside a busy trainer or gateway, its threads
-    # waited on each other and 35 s of work took 7 CPU-minutes (measured, a learning bench's round 1)
+    # one thread: with torch's default two, beside a learning bench's busy trainer on 2 cores, it had
+    # used 7 CPU-minutes without finishing ~35 s of idle-machine work (threads spinning on each other)
     torch.set_num_threads(1)
     cfg = load_config(args.config)
     seconds = warm_base(cfg, str(base_model_dir(cfg)))
