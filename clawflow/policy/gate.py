@@ -276,23 +276,6 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
                             f"{held} held-out judged turns within ±{gate.judged_margin}{helped}", m)
 
 
-def stances_shown(gate: GateConfig, path: str, tok, prompts: list[str], taught: str, champion: dict[str, int],
-                  m: dict[str, float]) -> str | None:
-    """policy/stance_probe.py on the candidate at `path`: its greedy plain answers to the preference
-    prompts, their counts into `m`; why they do not show the user's stances, or None."""
-    from clawflow.helpfulness import load_model
-    from clawflow.policy import preference_probe as P
-    from clawflow.policy import stance_probe as S
-
-    t0 = time.monotonic()
-    cand, _ = load_model(path)
-    answers = S.texts(tok, P.teacher_answers(cand, tok, prompts, "", gate.preference_max_tokens))
-    del cand
-    shown = S.shown_counts(taught, answers)
-    m.update(S.metrics(champion, shown, len(answers)), seconds_stances=time.monotonic() - t0)
-    return S.verdict(champion, shown, len(answers), gate.stance_margin)
-
-
 WEAK, FAILED = "weak", "failed"  # a dose's outcome: learned too little to measure; failed another check
 
 
@@ -395,7 +378,8 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
             tried.append((dose, WEAK))
             continue
         if r.passed and champion_shown:
-            reason = stances_shown(gate, path, pref[0], pref[1], taught, champion_shown, m)
+            reason = S.measure(path, pref[0], pref[1], taught, champion_shown, m, gate.preference_max_tokens,
+                               gate.stance_margin)
             if reason:  # a weaker dose shows them less: the grid ends here, as for a weak measure
                 last = GateResult(False, f"{reason} at dose {dose:g}", m)
                 tried.append((dose, WEAK))

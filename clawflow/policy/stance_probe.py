@@ -15,6 +15,7 @@ already reaches nearly everywhere has no room to rise: it must only hold. Stance
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from clawflow.prefs import shows
@@ -70,3 +71,19 @@ def metrics(champion: dict[str, int], candidate: dict[str, int], answers: int) -
 
 def texts(tok, answers: list[list[int]]) -> list[str]:
     return [tok.decode(a, skip_special_tokens=True) for a in answers]
+
+
+def measure(path: str, tok, prompts: list[str], taught: str, champion: dict[str, int], m: dict[str, float],
+            max_new_tokens: int, margin: float) -> str | None:
+    """The candidate at `path`: its greedy plain answers to `prompts`, their counts (and the seconds)
+    into the gate's figures `m`; why they do not show the user's stances (`verdict`), or None."""
+    from clawflow.helpfulness import load_model
+    from clawflow.policy.preference_probe import teacher_answers
+
+    t0 = time.monotonic()
+    cand, _ = load_model(path)
+    answers = texts(tok, teacher_answers(cand, tok, prompts, "", max_new_tokens))
+    del cand
+    shown = shown_counts(taught, answers)
+    m.update(metrics(champion, shown, len(answers)), seconds_stances=time.monotonic() - t0)
+    return verdict(champion, shown, len(answers), margin)
