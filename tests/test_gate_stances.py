@@ -9,7 +9,7 @@ import yaml
 
 from clawflow.config import REPO_ROOT, HelpfulnessGateConfig, load_config
 from clawflow.policy import stance_probe as S
-from clawflow.policy.gate import evaluate_doses
+from clawflow.policy.gate import evaluate_doses, preference_bar
 
 SHIPPED = load_config(REPO_ROOT / "configs" / "default.yaml").gate
 
@@ -54,6 +54,13 @@ def test_the_shipped_gate_checks_stances():
     assert SHIPPED.check_stances and 0 < SHIPPED.stance_margin < 0.2
 
 
+def test_where_the_words_are_checked_the_measure_need_only_point_toward_the_teacher():
+    assert preference_bar(SHIPPED, words_checked=True) == SHIPPED.min_preference_gain_checked == 0.0
+    assert preference_bar(SHIPPED, words_checked=False) == SHIPPED.min_preference_gain > 0
+    assert preference_bar(SHIPPED.model_copy(update={"min_preference_gain_checked": None}), True) \
+        == SHIPPED.min_preference_gain
+
+
 @pytest.mark.slow  # ~45 s: a hint-following model taught (200 steps), a student of it (40), the gate three times
 def test_a_candidate_that_shows_a_preference_passes_and_one_that_shows_another_does_not(tiny_model_dir, tmp_path):
     """The hint-following model (tests/hint_following.py) answers a 40-word LONG plainly and a 7-word
@@ -82,6 +89,11 @@ def test_a_candidate_that_shows_a_preference_passes_and_one_that_shows_another_d
     assert short.passed and short.dose == 1.0, short.reason
     assert short.metrics["shown.length_short_30"] == 8 and short.metrics["shown.length_short_30.champion"] == 0
     assert "shown length/short 30 0 → 8" in short.reason
+    # the words decide where they can be checked: a fixed bar past any gain does not stop it, unless
+    # the checked bar is off
+    assert verdict("Please keep replies under 30 words.", min_preference_gain=1e6).passed
+    fixed = verdict("Please keep replies under 30 words.", min_preference_gain=1e6, min_preference_gain_checked=None)
+    assert not fixed.passed and "not past the champion's (+1e+06)" in fixed.reason
 
     lower = verdict("All lowercase please, no capitals.")
     assert lower.metrics["pref_gain"] > gate.min_preference_gain  # the measure alone would promote it

@@ -207,7 +207,8 @@ def failed_checks(g) -> dict[str, object]:
     dose it was rejected at must then show (None: nothing to recompute from the figures)."""
     h = g.helpfulness
     return {
-        "the preference measure is": lambda m: m["pref_gain"] <= g.min_preference_gain,
+        "the preference measure is": lambda m: m["pref_gain"] <= m["pref_bar"] in (
+            g.min_preference_gain, g.min_preference_gain_checked),
         "helpfulness fell": lambda m: m["help_facts_rate"] < max(m["help_facts_rate_champion"],
                                                                  m["help_facts_rate_base"]) - h.margin,
         "repeat another question's answer": lambda m: m["help_duplicate_share"] > h.max_duplicate_share,
@@ -369,7 +370,8 @@ def test_shipped_train_and_gate_sections_run_end_to_end(tmp_path, tiny_model_dir
         assert float(tags["dose"]) == result["dose"] == tried[-1] and reason.startswith(f"dose {tags['dose']}: ")
         assert "key facts" in reason and "preference +" in reason  # helpfulness and the preference measure passed
         h = g.helpfulness
-        assert last["pref_gain"] > g.min_preference_gain and last["probe_kl"] <= g.max_kl
+        assert last["pref_gain"] > last["pref_bar"] in (g.min_preference_gain, g.min_preference_gain_checked)
+        assert last["probe_kl"] <= g.max_kl
         assert last["help_facts_rate"] >= max(last["help_facts_rate_champion"], last["help_facts_rate_base"]) - h.margin
         assert last["help_duplicate_share"] <= h.max_duplicate_share and last["help_empty_share"] <= h.max_empty_share
         assert last["help_repetitive_share"] <= h.max_repetitive_share

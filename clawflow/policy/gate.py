@@ -299,6 +299,14 @@ def next_dose(grid: Sequence[float], tried: Sequence[tuple[float, str]], refinem
     return round((min(failed_above) + lo) / 2, 6)
 
 
+def preference_bar(gate: GateConfig, words_checked: bool) -> float:
+    """Nats/token the preference measure must pass: `min_preference_gain_checked` when the stance
+    check reads the user's words (`words_checked`), else `min_preference_gain`. Pure."""
+    if words_checked and gate.min_preference_gain_checked is not None:
+        return gate.min_preference_gain_checked
+    return gate.min_preference_gain
+
+
 @dataclass
 class DoseVerdict:
     """The gate's verdict over doses: the strongest that passed (None: rejected at every dose tried),
@@ -319,7 +327,8 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
     """`evaluate` at each of `gate.doses`, strongest first (policy/dose.py), stopping at the first that
     passes. With standing preferences (`taught`, what the teacher read), a dose must also make the
     teacher's answers to held-out prompts likelier than the champion does by more than
-    `gate.min_preference_gain` (policy/preference_probe.py); a weaker dose moves them less, so the
+    `gate.min_preference_gain` (policy/preference_probe.py; `preference_bar`: where the stance check
+    reads the user's words, `min_preference_gain_checked`); a weaker dose moves them less, so the
     first dose that does not ends the grid, and `gate.dose_refinements` bisections then look between
     it and the weakest dose that failed another check (`next_dose`)."""
     from clawflow.policy import preference_probe as P
@@ -344,6 +353,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
         if gate.check_stances:  # the champion's plain answers are already here: its counts cost nothing
             champion_shown = S.shown_counts(taught, S.texts(tok, answers["plain"]))
+    bar = preference_bar(gate, bool(champion_shown))
     last: GateResult | None = None
     tried: list[tuple[float, str]] = []
     while (dose := next_dose(gate.doses, tried, gate.dose_refinements)) is not None:
@@ -359,14 +369,15 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
             cand, _ = load_model(path)
             cand_lp = {k: P.answer_loglik(cand, tok, prompts, a) for k, a in answers.items()}
             m.update(P.contrast(champ_lp["taught"], cand_lp["taught"], champ_lp["plain"], cand_lp["plain"]))
+            m["pref_bar"] = bar
             m["seconds_preference"] = time.monotonic() - t0 + teacher_s
             pref = (*pref[:4], 0.0)  # the teachers' side is counted once, with the first dose
             del cand
-            if not m["pref_gain"] > gate.min_preference_gain:
+            if not m["pref_gain"] > bar:
                 last = GateResult(False, f"the preference measure is {m['pref_gain']:+.4f} nats/token at dose "
                                          f"{dose:g} (teacher's answers {m['pref_gain_taught']:+.4f}, its own "
                                          f"{m['pref_gain_plain']:+.4f}), not past the champion's "
-                                         f"(+{gate.min_preference_gain})", m)
+                                         f"(+{bar:g})", m)
                 tried.append((dose, WEAK))
                 continue
         r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion)
