@@ -44,6 +44,16 @@ def test_a_candidate_must_show_an_open_stance_more_and_none_less():
     assert S.verdict({"case/lower": 0}, {"case/lower": 0}, n, 0.0)
 
 
+def test_the_words_can_show_learning_only_where_the_champion_leaves_room():
+    n, margin = 40, 0.05
+    assert S.has_room({"case/lower": 37}, n, margin) and not S.has_room({"case/lower": 38}, n, margin)
+    # the joint count decides, not a stance the champion already shows everywhere
+    assert S.has_room({"length/short 30": 40, "case/lower": 2, S.EVERY: 2}, n, margin)
+    assert not S.has_room({}, n, margin)
+    # no room: the measure's own bar, not the checked one
+    assert preference_bar(SHIPPED, S.has_room({"case/lower": 39}, n, margin)) == SHIPPED.min_preference_gain
+
+
 def test_the_counts_are_gate_figures():
     m = S.metrics({"length/short 30": 5}, {"length/short 30": 30}, 40)
     assert m == {"shown_answers": 40.0, "shown.length_short_30": 30.0, "shown.length_short_30.champion": 5.0}

@@ -301,7 +301,8 @@ def next_dose(grid: Sequence[float], tried: Sequence[tuple[float, str]], refinem
 
 def preference_bar(gate: GateConfig, words_checked: bool) -> float:
     """Nats/token the preference measure must pass: `min_preference_gain_checked` when the stance
-    check reads the user's words (`words_checked`), else `min_preference_gain`. Pure."""
+    check can see the user's words rise (`words_checked`: a checkable stance that the champion's answers
+    do not already show nearly everywhere, `stance_probe.has_room`), else `min_preference_gain`. Pure."""
     if words_checked and gate.min_preference_gain_checked is not None:
         return gate.min_preference_gain_checked
     return gate.min_preference_gain
@@ -353,7 +354,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
         if gate.check_stances:  # the champion's plain answers are already here: its counts cost nothing
             champion_shown = S.shown_counts(taught, S.texts(tok, answers["plain"]))
-    bar = preference_bar(gate, bool(champion_shown))
+    bar = preference_bar(gate, S.has_room(champion_shown, len(pref[1]), gate.stance_margin) if pref else False)
     last: GateResult | None = None
     tried: list[tuple[float, str]] = []
     while (dose := next_dose(gate.doses, tried, gate.dose_refinements)) is not None:

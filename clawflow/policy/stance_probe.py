@@ -49,11 +49,19 @@ def verdict(champion: dict[str, int], candidate: dict[str, int], answers: int, m
     if fell:
         return f"its answers show the user's preferences less than the champion's: {said(fell)}"
     joint = EVERY if EVERY in champion else next(iter(champion))
-    room = champion[joint] + allowed < answers
-    if room and not candidate[joint] - champion[joint] > max(allowed, 0.5):
+    if has_room(champion, answers, margin) and not candidate[joint] - champion[joint] > max(allowed, 0.5):
         return (f"its answers do not show the user's preferences more than the champion's: {said(list(champion))} "
                 f"(needs more than +{allowed:.3g}{' answers showing all at once' if joint == EVERY else ''})")
     return None
+
+
+def has_room(champion: dict[str, int], answers: int, margin: float) -> bool:
+    """Whether the champion's answers leave the joint count (`EVERY`, or the one stance) room to rise
+    by more than `margin` x `answers`: only then can the words show that a candidate learned. Pure."""
+    if not champion:
+        return False
+    joint = EVERY if EVERY in champion else next(iter(champion))
+    return champion[joint] + margin * answers < answers
 
 
 def key(label: str) -> str:
