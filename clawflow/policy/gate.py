@@ -220,12 +220,12 @@ class Champion:
 
 def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
              judged: Sequence[ProbeTurn] | None = None, base_dir: str | None = None,
-             cache_dir: Path | None = None, champion: Champion | None = None) -> GateResult:
+             cache_dir: Path | None = None, champion: Champion | None = None, candidate=None) -> GateResult:
     """The verdict on `candidate_dir` vs `champion_dir`; `judged` are held-out judged turns
     (policy/holdout.py), empty or None to skip that check; `base_dir`
     is the base model the helpfulness check also compares with; `cache_dir` keeps the references'
-    helpfulness figures; `champion`, when given, keeps the champion's side between calls. The
-    seconds each check took are in the figures (`seconds_*`)."""
+    helpfulness figures; `champion`, when given, keeps the champion's side between calls; `candidate`,
+    the candidate's model when already loaded. The seconds each check took are in the figures (`seconds_*`)."""
     if bad := nonfinite_tensors(candidate_dir):
         return GateResult(False, f"non-finite weights in {len(bad)} tensors (e.g. {bad[0]})",
                           {"nonfinite_tensors": float(len(bad))})
@@ -236,7 +236,7 @@ def evaluate(gate: GateConfig, candidate_dir: str, champion_dir: str,
     t0 = time.monotonic()
     champion = champion or Champion(champion_dir)
     tok, champ = champion.tok, champion.model
-    cand, _ = load_model(candidate_dir)
+    cand = candidate if candidate is not None else load_model(candidate_dir)[0]
     t1 = time.monotonic()
     if champion.replies is None:
         champion.replies = champion_replies(tok, champ, gate.probes, gate.max_new_tokens)
@@ -362,6 +362,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
                                                                  Path(work_dir) / f"dose-{dose:g}"))
         m: dict[str, float] = {"dose": dose}
         per[dose] = m
+        cand = None  # loaded once per dose, for every check that reads it
         if pref is not None:
             from clawflow.helpfulness import load_model
 
@@ -373,7 +374,6 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
             m["pref_bar"] = bar
             m["seconds_preference"] = time.monotonic() - t0 + teacher_s
             pref = (*pref[:4], 0.0)  # the teachers' side is counted once, with the first dose
-            del cand
             if not m["pref_gain"] > bar:
                 last = GateResult(False, f"the preference measure is {m['pref_gain']:+.4f} nats/token at dose "
                                          f"{dose:g} (teacher's answers {m['pref_gain_taught']:+.4f}, its own "
@@ -381,7 +381,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
                                          f"(+{bar:g})", m)
                 tried.append((dose, WEAK))
                 continue
-        r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion)
+        r = evaluate(gate, path, champion_dir, judged, base_dir, cache_dir, champion, cand)
         m.update(r.metrics)
         if r.passed and gate.enabled and gate.require_learning and pref is None and not judged_learning(m, gate):
             last = GateResult(False, f"nothing learned on the held-out judged turns at dose {dose:g}: replies "
@@ -391,7 +391,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
             continue
         if r.passed and champion_shown:
             reason = S.measure(path, pref[0], pref[1], taught, champion_shown, m, gate.preference_max_tokens,
-                               gate.stance_margin)
+                               gate.stance_margin, cand)
             if reason:  # a weaker dose shows them less: the grid ends here, as for a weak measure
                 last = GateResult(False, f"{reason} at dose {dose:g}", m)
                 tried.append((dose, WEAK))

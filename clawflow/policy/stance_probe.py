@@ -82,16 +82,15 @@ def texts(tok, answers: list[list[int]]) -> list[str]:
 
 
 def measure(path: str, tok, prompts: list[str], taught: str, champion: dict[str, int], m: dict[str, float],
-            max_new_tokens: int, margin: float) -> str | None:
-    """The candidate at `path`: its greedy plain answers to `prompts`, their counts (and the seconds)
+            max_new_tokens: int, margin: float, model=None) -> str | None:
+    """The candidate at `path` (`model`, when already loaded): its greedy plain answers to `prompts`, their counts (and the seconds)
     into the gate's figures `m`; why they do not show the user's stances (`verdict`), or None."""
     from clawflow.helpfulness import load_model
     from clawflow.policy.preference_probe import teacher_answers
 
     t0 = time.monotonic()
-    cand, _ = load_model(path)
+    cand = model if model is not None else load_model(path)[0]
     answers = texts(tok, teacher_answers(cand, tok, prompts, "", max_new_tokens))
-    del cand
     shown = shown_counts(taught, answers)
     m.update(metrics(champion, shown, len(answers)), seconds_stances=time.monotonic() - t0)
     return verdict(champion, shown, len(answers), margin)
