@@ -51,7 +51,8 @@ def test_the_words_can_show_learning_only_where_the_champion_leaves_room():
     assert S.has_room({"length/short 30": 40, "case/lower": 2, S.EVERY: 2}, n, margin)
     assert not S.has_room({}, n, margin)
     # no room: the measure's own bar, not the checked one
-    assert preference_bar(SHIPPED, S.has_room({"case/lower": 39}, n, margin)) == SHIPPED.min_preference_gain
+    checked = SHIPPED.model_copy(update={"min_preference_gain_checked": 0.0})
+    assert preference_bar(checked, S.has_room({"case/lower": 39}, n, margin)) == SHIPPED.min_preference_gain
 
 
 def test_the_counts_are_gate_figures():
@@ -64,11 +65,13 @@ def test_the_shipped_gate_checks_stances():
     assert SHIPPED.check_stances and 0 < SHIPPED.stance_margin < 0.2
 
 
-def test_where_the_words_are_checked_the_measure_need_only_point_toward_the_teacher():
-    assert preference_bar(SHIPPED, words_checked=True) == SHIPPED.min_preference_gain_checked == 0.0
-    assert preference_bar(SHIPPED, words_checked=False) == SHIPPED.min_preference_gain > 0
-    assert preference_bar(SHIPPED.model_copy(update={"min_preference_gain_checked": None}), True) \
-        == SHIPPED.min_preference_gain
+def test_where_the_words_are_checked_the_measure_may_need_only_point_toward_the_teacher():
+    checked = SHIPPED.model_copy(update={"min_preference_gain_checked": 0.0})
+    assert preference_bar(checked, words_checked=True) == 0.0
+    assert preference_bar(checked, words_checked=False) == SHIPPED.min_preference_gain > 0
+    # shipped unset: the measure's own bar everywhere (one_liner's v5 lost facts the gate never reads)
+    assert SHIPPED.min_preference_gain_checked is None
+    assert preference_bar(SHIPPED, True) == preference_bar(SHIPPED, False) == SHIPPED.min_preference_gain
 
 
 @pytest.mark.slow  # ~45 s: a hint-following model taught (200 steps), a student of it (40), the gate three times
@@ -101,8 +104,8 @@ def test_a_candidate_that_shows_a_preference_passes_and_one_that_shows_another_d
     assert "shown length/short 30 0 → 8" in short.reason
     # the words decide where they can be checked: a fixed bar past any gain does not stop it, unless
     # the checked bar is off
-    assert verdict("Please keep replies under 30 words.", min_preference_gain=1e6).passed
-    fixed = verdict("Please keep replies under 30 words.", min_preference_gain=1e6, min_preference_gain_checked=None)
+    assert verdict("Please keep replies under 30 words.", min_preference_gain=1e6, min_preference_gain_checked=0.0).passed
+    fixed = verdict("Please keep replies under 30 words.", min_preference_gain=1e6)
     assert not fixed.passed and "not past the champion's (+1e+06)" in fixed.reason
 
     lower = verdict("All lowercase please, no capitals.")

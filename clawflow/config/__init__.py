@@ -311,10 +311,11 @@ class GateConfig(_Strict):
     # than the champion's do, and none in fewer, by more than `stance_margin` of the prompts.
     check_stances: bool = False
     stance_margin: float = Field(0.05, ge=0.0, lt=1.0)
-    # What the preference measure must pass when the stance check reads the user's words (a checkable
-    # stance, `check_stances` on): the words decide, and the measure need only point toward the
-    # teacher. None: `min_preference_gain` always. Why: the measure's room shrinks as the champion
-    # learns (its teacher is the champion with the preferences), so a fixed bar stops later rounds.
+    # What the preference measure must pass when the stance check can see the user's words rise (a
+    # checkable stance with room, `check_stances` on): the words decide, e.g. 0.0. None:
+    # `min_preference_gain` always. Why: the measure's room shrinks as the champion learns (its teacher
+    # is the champion with the preferences), so a fixed bar stops later rounds; but each more
+    # promotion risks the facts the gate does not read (docs/learning.md "When the words decide").
     min_preference_gain_checked: float | None = Field(None, ge=0.0)
     # the base's helpfulness figures and plain preference answers, measured by a niced process when the
     # gateway starts (policy/warm.py), so the first round's gate does not (~35 s on 2 cores)
