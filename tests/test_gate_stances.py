@@ -9,7 +9,8 @@ import yaml
 
 from clawflow.config import REPO_ROOT, HelpfulnessGateConfig, load_config
 from clawflow.policy import stance_probe as S
-from clawflow.policy.gate import evaluate_doses, preference_bar
+from clawflow.policy.gate import evaluate_doses
+from clawflow.policy.preference_probe import bar as preference_bar
 
 SHIPPED = load_config(REPO_ROOT / "configs" / "default.yaml").gate
 

@@ -299,15 +299,6 @@ def next_dose(grid: Sequence[float], tried: Sequence[tuple[float, str]], refinem
     return round((min(failed_above) + lo) / 2, 6)
 
 
-def preference_bar(gate: GateConfig, words_checked: bool) -> float:
-    """Nats/token the preference measure must pass: `min_preference_gain_checked` when the stance
-    check can see the user's words rise (`words_checked`: a checkable stance that the champion's answers
-    do not already show nearly everywhere, `stance_probe.has_room`), else `min_preference_gain`. Pure."""
-    if words_checked and gate.min_preference_gain_checked is not None:
-        return gate.min_preference_gain_checked
-    return gate.min_preference_gain
-
-
 @dataclass
 class DoseVerdict:
     """The gate's verdict over doses: the strongest that passed (None: rejected at every dose tried),
@@ -328,7 +319,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
     """`evaluate` at each of `gate.doses`, strongest first (policy/dose.py), stopping at the first that
     passes. With standing preferences (`taught`, what the teacher read), a dose must also make the
     teacher's answers to held-out prompts likelier than the champion does by more than
-    `gate.min_preference_gain` (policy/preference_probe.py; `preference_bar`: where the stance check
+    `gate.min_preference_gain` (policy/preference_probe.py; `bar`: where the stance check
     reads the user's words, `min_preference_gain_checked`); a weaker dose moves them less, so the
     first dose that does not ends the grid, and `gate.dose_refinements` bisections then look between
     it and the weakest dose that failed another check (`next_dose`)."""
@@ -354,7 +345,7 @@ def evaluate_doses(gate: GateConfig, candidate_dir: str, champion_dir: str, work
         pref = (tok, prompts, answers, champ_lp, time.monotonic() - t0)
         if gate.check_stances:  # the champion's plain answers are already here: its counts cost nothing
             champion_shown = S.shown_counts(taught, S.texts(tok, answers["plain"]))
-    bar = preference_bar(gate, S.has_room(champion_shown, len(pref[1]), gate.stance_margin) if pref else False)
+    bar = P.bar(gate, S.has_room(champion_shown, len(pref[1]), gate.stance_margin) if pref else False)
     last: GateResult | None = None
     tried: list[tuple[float, str]] = []
     while (dose := next_dose(gate.doses, tried, gate.dose_refinements)) is not None:

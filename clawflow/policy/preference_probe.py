@@ -37,6 +37,16 @@ def contrast(champion_taught: list[float], candidate_taught: list[float], champi
     return {"pref_gain": taught - plain, "pref_gain_taught": taught, "pref_gain_plain": plain}
 
 
+def bar(gate, words_checked: bool) -> float:
+    """Nats/token the measure must pass under `gate` (GateConfig): `min_preference_gain_checked` when
+    the stance check can see the user's words rise (`words_checked`: a checkable stance that the
+    champion's answers do not already show nearly everywhere, policy/stance_probe.py `has_room`), else
+    `min_preference_gain`. Pure."""
+    if words_checked and gate.min_preference_gain_checked is not None:
+        return gate.min_preference_gain_checked
+    return gate.min_preference_gain
+
+
 def load_prompts(path: str | Path | None = None) -> list[str]:
     from clawflow.train.prompts import load_prompts as load
 
