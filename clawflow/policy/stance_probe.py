@@ -48,7 +48,7 @@ def verdict(champion: dict[str, int], candidate: dict[str, int], answers: int, m
     fell = [k for k in champion if champion[k] - candidate[k] > allowed]
     if fell:
         return f"its answers show the user's preferences less than the champion's: {said(fell)}"
-    joint = EVERY if EVERY in champion else next(iter(champion))
+    joint = joint_key(champion)
     if has_room(champion, answers, margin) and not candidate[joint] - champion[joint] > max(allowed, 0.5):
         return (f"its answers do not show the user's preferences more than the champion's: {said(list(champion))} "
                 f"(needs more than +{allowed:.3g}{' answers showing all at once' if joint == EVERY else ''})")
@@ -58,10 +58,12 @@ def verdict(champion: dict[str, int], candidate: dict[str, int], answers: int, m
 def has_room(champion: dict[str, int], answers: int, margin: float) -> bool:
     """Whether the champion's answers leave the joint count (`EVERY`, or the one stance) room to rise
     by more than `margin` x `answers`: only then can the words show that a candidate learned. Pure."""
-    if not champion:
-        return False
-    joint = EVERY if EVERY in champion else next(iter(champion))
-    return champion[joint] + margin * answers < answers
+    return bool(champion) and champion[joint_key(champion)] + margin * answers < answers
+
+
+def joint_key(counts: dict[str, int]) -> str:
+    """The count that must rise: `EVERY` with two or more stances, else the one. Pure."""
+    return EVERY if EVERY in counts else next(iter(counts))
 
 
 def key(label: str) -> str:
@@ -83,8 +85,9 @@ def texts(tok, answers: list[list[int]]) -> list[str]:
 
 def measure(path: str, tok, prompts: list[str], taught: str, champion: dict[str, int], m: dict[str, float],
             max_new_tokens: int, margin: float, model=None) -> str | None:
-    """The candidate at `path` (`model`, when already loaded): its greedy plain answers to `prompts`, their counts (and the seconds)
-    into the gate's figures `m`; why they do not show the user's stances (`verdict`), or None."""
+    """The candidate at `path` (`model`, when already loaded): its greedy plain answers to `prompts`,
+    their counts (and the seconds) into the gate's figures `m`; why they do not show the user's
+    stances (`verdict`), or None."""
     from clawflow.helpfulness import load_model
     from clawflow.policy.preference_probe import teacher_answers
 
