@@ -74,6 +74,8 @@ def train(a: argparse.Namespace) -> Path:
     cand = a.out / "candidate"
     argv = replay_argv((a.home / "checkpoints" / f"{a.run}.log").read_text().splitlines()[0],
                        a.out / "config.yaml", cand, cache)
+    if not Path(argv[0]).exists():  # recorded from a worktree since removed: this interpreter
+        argv[0] = sys.executable
     if not cand.exists():
         r = subprocess.run(argv, capture_output=True, text=True)
         (a.out / "train.log").write_text(r.stdout + r.stderr)
